@@ -1,0 +1,89 @@
+"""asiento: kill an LLM agent at any instant and resume it without repeating what happened."""
+
+from ._canonical import idem_key
+from .agent import Agent, model_key
+from .errors import (
+    ApprovalError,
+    AsientoError,
+    DuplicateRecord,
+    JournalBusy,
+    JournalCorrupt,
+    JournalError,
+    JournalTooNew,
+    MaxTurnsExceeded,
+    NotAJournal,
+    ReplayDivergence,
+    RunError,
+    UncertainEffect,
+    UsageError,
+)
+from .events import (
+    ApprovalStep,
+    Decision,
+    FinalStep,
+    ModelStep,
+    Phase,
+    RunInfo,
+    RunStatus,
+    Step,
+    StepEvent,
+    ToolStep,
+)
+from .harness import approve, deny, resolve
+from .journal import Checkpointer, MemoryCheckpointer, SqliteCheckpointer
+from .model import Gateway, Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
+from .policy import Policy, allow_all, require_approval_for
+from .session import RunStats, Session
+from .tools import Tool, tool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Agent",
+    "ApprovalError",
+    "ApprovalStep",
+    "AsientoError",
+    "Checkpointer",
+    "Decision",
+    "DuplicateRecord",
+    "FinalStep",
+    "Gateway",
+    "JournalBusy",
+    "JournalCorrupt",
+    "JournalError",
+    "JournalTooNew",
+    "MaxTurnsExceeded",
+    "MemoryCheckpointer",
+    "Message",
+    "ModelRequest",
+    "ModelResponse",
+    "ModelStep",
+    "NotAJournal",
+    "Phase",
+    "Policy",
+    "ReplayDivergence",
+    "RunError",
+    "RunInfo",
+    "RunStats",
+    "RunStatus",
+    "Session",
+    "SqliteCheckpointer",
+    "Step",
+    "StepEvent",
+    "Tool",
+    "ToolCall",
+    "ToolSchema",
+    "ToolStep",
+    "UncertainEffect",
+    "Usage",
+    "UsageError",
+    "__version__",
+    "allow_all",
+    "approve",
+    "deny",
+    "idem_key",
+    "model_key",
+    "require_approval_for",
+    "resolve",
+    "tool",
+]

@@ -1,0 +1,50 @@
+"""Canonical JSON and the hashes built on it.
+
+Canonical means sorted keys and no spaces, exactly as the seed writes it, so a
+hash never depends on the order a dict was built in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+
+def canonical_json(obj: Any) -> str:
+    """Serialise ``obj`` so that equal values give equal text."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def sha256_hex(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def fingerprint(obj: Any) -> str:
+    """The sha256 of the canonical JSON of ``obj``."""
+    return sha256_hex(canonical_json(obj))
+
+
+def idem_key(run_id: str, step_id: str, params: Any, *, n: int = 6) -> str:
+    """Deterministic idempotency key: stable across restarts, unique across tasks.
+
+    ``f"{run_id}:{step_id}:{sha256(canonical JSON of params)[:n]}"`` as in the seed.
+    """
+    return f"{run_id}:{step_id}:{fingerprint(params)[:n]}"
+
+
+class FingerprintChain:
+    """A running hash of a conversation: each step hashes only what was added.
+
+    The cost of a step stays flat however long the run grows, where hashing the
+    whole conversation at every step would grow with it.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, head: Any) -> None:
+        self.value = fingerprint(head)
+
+    def add(self, item: Any) -> str:
+        self.value = sha256_hex(self.value + canonical_json(item))
+        return self.value

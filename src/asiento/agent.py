@@ -1,0 +1,396 @@
+"""The loop: derive the conversation from the journal, ask only for what is missing.
+
+Every yielded step is durable first. Records are batched so that a model+tool
+step costs two commits: (model result + tool intent + submitted) before the
+tool runs, and the tool result before the next model call depends on it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from ._canonical import FingerprintChain, canonical_json, fingerprint
+from ._crash import crash_point
+from .errors import MaxTurnsExceeded, ReplayDivergence, UncertainEffect, UsageError
+from .events import (
+    FINAL_STEP_ID,
+    ApprovalStep,
+    Decision,
+    FinalStep,
+    ModelStep,
+    Phase,
+    RunStatus,
+    Step,
+    StepEvent,
+    ToolStep,
+)
+from .model import Message, ModelRequest, ModelResponse, ToolCall, check_response
+from .policy import Policy, allow_all, ask_policy
+from .replay import Action, Records, decide, merge_attempt
+from .session import Session
+from .tools import Tool, ToolArgumentsError
+
+
+class Agent:
+    """Instructions, tools and a policy; ``run()`` drives one run through a ``Session``."""
+
+    def __init__(
+        self,
+        *,
+        instructions: str = "",
+        tools: Sequence[Tool] = (),
+        policy: Policy | None = None,
+        max_turns: int = 50,
+    ) -> None:
+        if not isinstance(instructions, str):
+            raise UsageError("Agent(instructions=...) must be a str")
+        for t in tools:
+            if not isinstance(t, Tool):
+                raise UsageError(
+                    f"Agent(tools=...) takes functions decorated with @tool, got {t!r}"
+                )
+        names = [t.name for t in tools]
+        if len(set(names)) != len(names):
+            raise UsageError(f"Agent(tools=...) has two tools with the same name: {names}")
+        if max_turns < 1:
+            raise UsageError("Agent(max_turns=...) must be at least 1")
+        self.instructions = instructions
+        self.tools = {t.name: t for t in tools}
+        self.policy: Policy = policy or allow_all
+        self.max_turns = max_turns
+        self.schemas = tuple(t.schema for t in tools)
+        self.head = {"instructions": instructions, "tools": [s.to_json() for s in self.schemas]}
+
+    def run(self, task: str, *, session: Session) -> AsyncIterator[Step]:
+        """Drive the run to its end or to a point that needs a person, yielding each step."""
+        if not isinstance(task, str):
+            raise UsageError(f"the task must be a str, got {type(task).__name__}")
+        if not isinstance(session, Session):
+            raise UsageError("run() needs session=Session(run_id, gateway, store)")
+        return _Pass(self, task, session).steps()
+
+
+def model_key(run_id: str, step_id: str, request_fingerprint: str) -> str:
+    """The idempotency key of a model request: (run_id, step_id, body fingerprint)."""
+    return f"{run_id}:{step_id}:{request_fingerprint[:32]}"
+
+
+def _index(events: Sequence[StepEvent]) -> dict[str, dict[Phase, StepEvent]]:
+    journal: dict[str, dict[Phase, StepEvent]] = {}
+    for event in events:
+        journal.setdefault(event.step_id, {})[event.phase] = event
+    return journal
+
+
+def _is_tool_step(step_id: str) -> bool:
+    return "." in step_id
+
+
+class _Pass:
+    """One pass over a run: the state derived from the journal, then what is new."""
+
+    def __init__(self, agent: Agent, task: str, session: Session) -> None:
+        self.agent, self.task, self.session = agent, task, session
+        self.run_id, self.store, self.stats = session.run_id, session.store, session.stats
+        self.chain = FingerprintChain(agent.head)
+        self.messages: list[Message] = []
+        self.journal: dict[str, dict[Phase, StepEvent]] = {}
+        self.pending: list[StepEvent] = []
+        self.waiting: list[Step] = []  # steps whose records are in ``pending``
+        self.out: list[Step] = []  # steps whose records are durable
+
+    async def steps(self) -> AsyncIterator[Step]:
+        final = await self.store.final(self.run_id)
+        if final is not None:
+            yield FinalStep(
+                run_id=self.run_id,
+                step_id=final.payload["step"],
+                text=final.payload["text"],
+                replayed=True,
+            )
+            return
+        self.journal = _index(await self.store.load(self.run_id))
+        self._add(Message(role="user", content=self.task))
+        for turn in range(1, self.agent.max_turns + 1):
+            step_id = f"m{turn}"
+            response = await self._model_step(step_id)
+            if not response.tool_calls:
+                await self._close(step_id, response)
+                for step in self._drain():
+                    yield step
+                return
+            for index, call in enumerate(response.tool_calls, 1):
+                go_on = await self._tool_step(f"{step_id}.t{index}", call)
+                for step in self._drain():
+                    yield step
+                if not go_on:
+                    return
+            await self._flush()
+            for step in self._drain():
+                yield step
+        raise MaxTurnsExceeded(
+            f"run {self.run_id!r}: the model still asked for tools after "
+            f"{self.agent.max_turns} turns; raise Agent(max_turns=...) to let it go on"
+        )
+
+    # -- model steps ---------------------------------------------------------------
+
+    async def _model_step(self, step_id: str) -> ModelResponse:
+        fp = self.chain.value
+        recorded = self.journal.get(step_id, {}).get(Phase.RESULT)
+        if recorded is not None:
+            response = self._replay_model(step_id, fp, recorded)
+        else:
+            response = await self._call_model(step_id, fp)
+        self._add(Message(role="assistant", content=response.text, tool_calls=response.tool_calls))
+        return response
+
+    def _replay_model(self, step_id: str, fp: str, recorded: StepEvent) -> ModelResponse:
+        if recorded.payload.get("fp") != fp:
+            raise ReplayDivergence(
+                self.run_id,
+                step_id,
+                f"the recorded request has fingerprint {str(recorded.payload.get('fp'))[:12]}…, "
+                f"the resumed run would send {fp[:12]}…",
+            )
+        response = ModelResponse.from_json(recorded.payload["response"])
+        self.stats.model_calls_replayed += 1
+        self.stats.input_tokens_saved += response.usage.input_tokens
+        self.stats.output_tokens_saved += response.usage.output_tokens
+        return response
+
+    async def _call_model(self, step_id: str, fp: str) -> ModelResponse:
+        key = model_key(self.run_id, step_id, fp)
+        request = ModelRequest(
+            instructions=self.agent.instructions, messages=self.messages, tools=self.agent.schemas
+        )
+        answer = await self.session.gateway.complete(request, idempotency_key=key)
+        where = f"run {self.run_id!r} step {step_id!r}"
+        response = _with_call_ids(check_response(answer, where=where), step_id)
+        self.stats.model_calls += 1
+        self.stats.input_tokens += response.usage.input_tokens
+        self.stats.output_tokens += response.usage.output_tokens
+        payload = {"fp": fp, "response": response.to_json()}
+        self._record(step_id, Phase.RESULT, payload)
+        self.waiting.append(
+            ModelStep(run_id=self.run_id, step_id=step_id, response=response, idempotency_key=key)
+        )
+        return response
+
+    async def _close(self, step_id: str, response: ModelResponse) -> None:
+        self._record(FINAL_STEP_ID, Phase.RESULT, {"step": step_id, "text": response.text})
+        self.waiting.append(FinalStep(run_id=self.run_id, step_id=step_id, text=response.text))
+        await self._flush(RunStatus.CLOSED)
+
+    # -- tool steps ----------------------------------------------------------------
+
+    async def _tool_step(self, step_id: str, call: ToolCall) -> bool:
+        """Bring one tool call to a known outcome; False when the run must stop here."""
+        tool = self.agent.tools.get(call.name)
+        records, attempt = merge_attempt(self.journal.get(step_id, {}), self.journal, step_id)
+        action = decide(records, idempotent=tool.idempotent if tool else True)
+        if action is Action.FEED_RESULT:
+            self.stats.tool_calls_replayed += 1
+            self._feed(call, records[Phase.RESULT].payload)
+        elif action is Action.FEED_RESOLUTION:
+            self.stats.tool_calls_replayed += 1
+            resolution = records[Phase.RESOLUTION].payload
+            self._feed(call, {"status": "ok", "value": resolution.get("result")})
+        elif action is Action.START:
+            return await self._start(step_id, call, tool)
+        elif action is Action.EXECUTE:
+            assert tool is not None  # an unknown tool gets its result at START
+            await self._execute(attempt, call, tool, records)
+        elif action is Action.FEED_DENIAL:
+            self._deny(step_id, call, records)
+        elif action is Action.AWAIT_APPROVAL:
+            await self._suspend(step_id, call, records[Phase.INTENT])
+            return False
+        else:
+            await self._flush()
+            await self.store.set_status(self.run_id, RunStatus.UNCERTAIN)
+            raise UncertainEffect(self.run_id, attempt, call.name)
+        return True
+
+    async def _start(self, step_id: str, call: ToolCall, tool: Tool | None) -> bool:
+        args = dict(call.arguments)
+        payload = {"tool": call.name, "args": args, "fp": fingerprint(args)}
+        problem = _argument_problem(call, tool)
+        if problem is not None:
+            self._record(step_id, Phase.INTENT, payload)
+            self._result(step_id, call, Decision.ALLOW, {"status": "error", "error": problem})
+            return True
+        assert tool is not None
+        decision = await ask_policy(self.agent.policy, call)
+        intent = self._record(step_id, Phase.INTENT, payload, decision)
+        if decision is Decision.DENY:
+            denial = {"status": "denied", "by": "policy", "reason": "denied by policy"}
+            self._result(step_id, call, decision, denial)
+        elif decision is Decision.REQUIRE_APPROVAL:
+            await self._suspend(step_id, call, intent)
+            return False
+        else:
+            await self._execute(step_id, call, tool, {Phase.INTENT: intent})
+        return True
+
+    async def _execute(self, step_id: str, call: ToolCall, tool: Tool, records: Records) -> None:
+        """Run the tool once, with its intent and submitted marker durable before it starts."""
+        if Phase.SUBMITTED not in records:
+            self._record(step_id, Phase.SUBMITTED, {})
+        await self._flush()
+        intent = records[Phase.INTENT]
+        try:
+            value = await tool.invoke(intent.payload["args"])
+            outcome = _ok(value)
+        except ToolArgumentsError as exc:
+            outcome = {"status": "error", "error": str(exc)}
+        except Exception as exc:
+            outcome = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+        self.stats.tool_calls += 1
+        crash_point("after_tool")
+        approved = Phase.APPROVAL in records
+        self._result(step_id, call, Decision.APPROVED if approved else Decision.ALLOW, outcome)
+
+    def _deny(self, step_id: str, call: ToolCall, records: Records) -> None:
+        approval = records.get(Phase.APPROVAL)
+        if approval is None:
+            denial = {"status": "denied", "by": "policy", "reason": "denied by policy"}
+        else:
+            by, reason = approval.payload.get("by", ""), approval.payload.get("reason", "")
+            denial = {"status": "denied", "by": by, "reason": reason or f"denied by {by}"}
+        self._result(step_id, call, Decision.DENIED if approval else Decision.DENY, denial)
+
+    async def _suspend(self, step_id: str, call: ToolCall, intent: StepEvent) -> None:
+        self.waiting.append(
+            ToolStep(
+                run_id=self.run_id,
+                step_id=step_id,
+                call=call,
+                decision=Decision.REQUIRE_APPROVAL,
+                status="awaiting_approval",
+            )
+        )
+        fp = str(intent.payload.get("fp", ""))
+        self.waiting.append(
+            ApprovalStep(run_id=self.run_id, step_id=step_id, call=call, fingerprint=fp)
+        )
+        await self._flush(RunStatus.SUSPENDED)
+
+    def _result(
+        self, step_id: str, call: ToolCall, decision: Decision, outcome: dict[str, Any]
+    ) -> None:
+        self._record(step_id, Phase.RESULT, outcome)
+        value = outcome.get("value", outcome.get("error", outcome.get("reason")))
+        self.waiting.append(
+            ToolStep(
+                run_id=self.run_id,
+                step_id=step_id,
+                call=call,
+                decision=decision,
+                status=outcome["status"],
+                result=value,
+            )
+        )
+        self._feed(call, outcome)
+
+    def _feed(self, call: ToolCall, outcome: Any) -> None:
+        self._add(
+            Message(role="tool", content=_tool_text(outcome), tool_call_id=call.id, name=call.name)
+        )
+
+    # -- journal plumbing ----------------------------------------------------------
+
+    def _add(self, message: Message) -> None:
+        self.messages.append(message)
+        self.chain.add(message.to_json())
+
+    def _record(
+        self, step_id: str, phase: Phase, payload: dict[str, Any], decision: Decision | None = None
+    ) -> StepEvent:
+        event = StepEvent(
+            run_id=self.run_id, step_id=step_id, phase=phase, payload=payload, decision=decision
+        )
+        self.pending.append(event)
+        return event
+
+    async def _flush(self, status: RunStatus | None = None) -> None:
+        """Make the pending records durable in one transaction, then release their steps."""
+        events, self.pending = self.pending, []
+        phases = {(e.phase, _is_tool_step(e.step_id)) for e in events}
+        if (Phase.INTENT, True) in phases:
+            crash_point("before_intent")
+        if events:
+            await self.store.append(*events, status=status)
+        elif status is not None:
+            await self.store.set_status(self.run_id, status)
+        if (Phase.RESULT, True) in phases:
+            crash_point("after_result")
+        if (Phase.RESULT, False) in phases:
+            crash_point("after_model_result")
+        if (Phase.INTENT, True) in phases:
+            crash_point("after_intent")
+        if (Phase.SUBMITTED, True) in phases:
+            crash_point("after_submitted")
+        self.out.extend(self.waiting)
+        self.waiting.clear()
+
+    def _drain(self) -> list[Step]:
+        out, self.out = self.out, []
+        return out
+
+
+def _argument_problem(call: ToolCall, tool: Tool | None) -> str | None:
+    """Why a call cannot run at all (unknown tool, arguments that do not fit), or None."""
+    if tool is None:
+        return f"unknown tool {call.name!r}"
+    try:
+        tool.validate(call.arguments)
+    except ToolArgumentsError as exc:
+        return str(exc)
+    return None
+
+
+def _ok(value: Any) -> dict[str, Any]:
+    """A tool's return value as a recorded outcome; what is not JSON is a recorded failure."""
+    from pydantic_core import to_jsonable_python
+
+    try:
+        jsonable = to_jsonable_python(value)
+        canonical_json(jsonable)
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"[:500]
+        return {
+            "status": "error",
+            "error": f"the tool's result is not JSON-serialisable ({reason})",
+        }
+    return {"status": "ok", "value": jsonable}
+
+
+def _tool_text(outcome: Any) -> str:
+    """What the model reads for a tool outcome."""
+    status = outcome.get("status")
+    if status == "ok":
+        value = outcome.get("value")
+        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    if status == "denied":
+        return f"denied: {outcome.get('reason', '')}"
+    return f"error: {outcome.get('error', '')}"
+
+
+def _with_call_ids(response: ModelResponse, step_id: str) -> ModelResponse:
+    """Give every tool call an id, so tool results can name the call they answer."""
+    if all(c.id for c in response.tool_calls):
+        return response
+    calls = [
+        c if c.id else ToolCall(name=c.name, arguments=c.arguments, id=f"{step_id}.t{i}")
+        for i, c in enumerate(response.tool_calls, 1)
+    ]
+    return ModelResponse(
+        text=response.text,
+        tool_calls=calls,
+        usage=response.usage,
+        model=response.model,
+        request_id=response.request_id,
+    )

@@ -1,0 +1,100 @@
+"""Every error asiento raises, rooted in one class.
+
+    AsientoError
+    ├── UsageError              the caller misused the API (bad argument, unknown run or step)
+    ├── JournalError            the journal cannot be trusted or written as asked
+    │   ├── DuplicateRecord     (run_id, step_id, phase) is already recorded: a rival writer won
+    │   ├── NotAJournal         the file is not an asiento journal (or not SQLite at all)
+    │   ├── JournalCorrupt      the journal file is damaged; it is never overwritten
+    │   ├── JournalBusy         another process held the write lock past the timeout
+    │   ├── JournalTooNew       the journal was written by a newer asiento
+    │   └── ReplayDivergence    the resumed run would send a different request than recorded
+    └── RunError                the run cannot go on without a person
+        ├── UncertainEffect     an effect was submitted and nobody knows whether it happened
+        ├── ApprovalError       an approval does not apply (not awaited, decided, mismatched)
+        └── MaxTurnsExceeded    the model kept asking for tools past the agent's bound
+
+Messages name the run, the step and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class AsientoError(Exception):
+    """Root of every error raised by asiento."""
+
+
+class UsageError(AsientoError):
+    """The API was called in a way it does not support."""
+
+
+class JournalError(AsientoError):
+    """The journal cannot be read or written as asked."""
+
+
+class DuplicateRecord(JournalError):
+    """The primary key (run_id, step_id, phase) already holds a record."""
+
+    def __init__(self, run_id: str, step_id: str, phase: str) -> None:
+        self.run_id, self.step_id, self.phase = run_id, step_id, phase
+        super().__init__(
+            f"run {run_id!r} step {step_id!r} already has a {phase!r} record; "
+            "another writer recorded it first and nothing was written"
+        )
+
+
+class NotAJournal(JournalError):
+    """The file exists but is not an asiento journal."""
+
+
+class JournalCorrupt(JournalError):
+    """The journal's storage reported damage; asiento refuses to guess around it."""
+
+
+class JournalBusy(JournalError):
+    """Another process kept the journal locked longer than the timeout."""
+
+
+class JournalTooNew(JournalError):
+    """The journal's schema version is newer than this asiento understands."""
+
+
+class ReplayDivergence(JournalError):
+    """The resumed run differs from what the journal recorded."""
+
+    def __init__(self, run_id: str, step_id: str, detail: str) -> None:
+        self.run_id, self.step_id = run_id, step_id
+        super().__init__(
+            f"run {run_id!r} diverges from its journal at step {step_id!r}: {detail}. "
+            "The task, the instructions or the tools changed since the run was recorded; "
+            "resume it with the original agent and task, or start a new run_id"
+        )
+
+
+class RunError(AsientoError):
+    """The run stopped and needs a person before it can go on."""
+
+
+class UncertainEffect(RunError):
+    """A non-idempotent effect was submitted and no outcome was recorded.
+
+    Raised instead of guessing: the effect may or may not have happened.
+    """
+
+    def __init__(self, run_id: str, step_id: str, tool: str, detail: str = "") -> None:
+        self.run_id, self.step_id, self.tool = run_id, step_id, tool
+        extra = f" {detail}" if detail else ""
+        super().__init__(
+            f"run {run_id!r} step {step_id!r}: tool {tool!r} was submitted but no result was "
+            f"recorded, and it is not idempotent, so nobody knows whether it happened.{extra} "
+            "Check the destination, then record what you found with "
+            f"asiento.resolve(store, {run_id!r}, {step_id!r}, happened=...)"
+        )
+
+
+class ApprovalError(RunError):
+    """An approval or denial does not apply to the step it names."""
+
+
+class MaxTurnsExceeded(RunError):
+    """The model asked for tools more times than the agent allows."""

@@ -1,0 +1,124 @@
+"""The journal record and the steps ``Agent.run`` yields.
+
+A ``StepEvent`` is one row of the journal, keyed ``(run_id, step_id, phase)``.
+The steps (``ModelStep``, ``ToolStep``, ``ApprovalStep``, ``FinalStep``) are
+what a caller sees; each is yielded only once the records behind it are durable.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from .model import ModelResponse, ToolCall
+
+FINAL_STEP_ID = "final"
+
+
+class Phase(StrEnum):
+    """Where a step stands; one record per phase, never two."""
+
+    INTENT = "intent"
+    APPROVAL = "approval"
+    SUBMITTED = "submitted"
+    RESULT = "result"
+    RESOLUTION = "resolution"
+
+
+class Decision(StrEnum):
+    """What a policy (or a person) decided for a tool call."""
+
+    ALLOW = "allow"
+    DENY = "deny"
+    REQUIRE_APPROVAL = "require_approval"
+    APPROVED = "approved"
+    DENIED = "denied"
+
+
+class RunStatus(StrEnum):
+    """A run as the listing shows it."""
+
+    RUNNING = "running"
+    SUSPENDED = "suspended"
+    UNCERTAIN = "uncertain"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepEvent:
+    """One journal record. ``payload`` is JSON; ``decision`` is set where someone decided."""
+
+    run_id: str
+    step_id: str
+    phase: Phase
+    payload: Mapping[str, Any] = field(default_factory=dict)
+    decision: Decision | None = None
+    created_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunInfo:
+    """One run in a listing."""
+
+    run_id: str
+    status: RunStatus
+    events: int
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelStep:
+    """The model answered (``replayed`` never: recorded answers are not re-announced)."""
+
+    run_id: str
+    step_id: str
+    response: ModelResponse
+    idempotency_key: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolStep:
+    """A tool call reached a known outcome, or is waiting for a person.
+
+    ``status`` is ``ok``, ``error``, ``denied`` or ``awaiting_approval``.
+    """
+
+    run_id: str
+    step_id: str
+    call: ToolCall
+    decision: Decision
+    status: str
+    result: Any = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ApprovalStep:
+    """The run is suspended on disk until a person approves or denies ``step_id``.
+
+    ``fingerprint`` identifies the exact frozen arguments a person is asked about.
+    """
+
+    run_id: str
+    step_id: str
+    call: ToolCall
+    fingerprint: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FinalStep:
+    """The model answered without tool calls; the run is closed.
+
+    ``replayed`` is true when the run was already closed and nothing was called.
+    """
+
+    run_id: str
+    step_id: str
+    text: str
+    replayed: bool = False
+
+
+Step = ModelStep | ToolStep | ApprovalStep | FinalStep

@@ -1,0 +1,31 @@
+"""Numbered migrations of the SQLite journal; ``PRAGMA user_version`` holds the number."""
+
+from __future__ import annotations
+
+# "ASNT" as a 32-bit integer: marks the file as an asiento journal.
+APPLICATION_ID = 0x41534E54
+
+MIGRATIONS: tuple[str, ...] = (
+    # 1: the journal and the run index.
+    """
+    CREATE TABLE journal (
+        run_id     TEXT NOT NULL,
+        step_id    TEXT NOT NULL,
+        phase      TEXT NOT NULL,
+        decision   TEXT,
+        payload    TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (run_id, step_id, phase)
+    );
+    CREATE TABLE runs (
+        run_id     TEXT PRIMARY KEY,
+        status     TEXT NOT NULL,
+        events     INTEGER NOT NULL,
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX runs_by_status ON runs (status, updated_at);
+    """,
+)
+
+SCHEMA_VERSION = len(MIGRATIONS)

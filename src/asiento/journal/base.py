@@ -1,0 +1,124 @@
+"""The ``Checkpointer`` protocol: the run's journal, shared by loop and harness.
+
+A small protocol rather than a base class: a backend is whatever has these
+coroutines. Every backend passes the same conformance suite (tests/journal).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from ..errors import JournalCorrupt, UsageError
+from ..events import Decision, Phase, RunInfo, RunStatus, StepEvent
+
+
+@runtime_checkable
+class Checkpointer(Protocol):
+    """The journal of runs. ``append`` is atomic: all of a batch is recorded, or none."""
+
+    async def append(self, *events: StepEvent, status: RunStatus | None = None) -> None:
+        """Record ``events`` (one run) in one transaction, and set the run's status.
+
+        Raises ``DuplicateRecord`` if any ``(run_id, step_id, phase)`` is taken.
+        """
+        ...
+
+    async def load(self, run_id: str) -> list[StepEvent]:
+        """The run's whole timeline, in the order it was written."""
+        ...
+
+    async def load_step(self, run_id: str, step_id: str) -> list[StepEvent]:
+        """The records of one step, in the order they were written."""
+        ...
+
+    async def final(self, run_id: str) -> StepEvent | None:
+        """The run's final record if it is closed: one read, not the whole journal."""
+        ...
+
+    async def set_status(self, run_id: str, status: RunStatus) -> None:
+        """Mark a known run (uncertain, for example) without writing a step."""
+        ...
+
+    async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
+        """The runs this journal knows, oldest first, optionally of one status."""
+        ...
+
+    async def close(self) -> None:
+        """Release the backend's connections."""
+        ...
+
+
+Row = tuple[str, str, str, str | None, str, float]
+
+
+def encode_batch(events: Sequence[StepEvent]) -> tuple[str, list[Row]]:
+    """Check one append batch and serialise it, before any transaction starts."""
+    if not events:
+        raise UsageError("append() needs at least one StepEvent")
+    run_id = events[0].run_id
+    seen: set[tuple[str, str]] = set()
+    rows: list[Row] = []
+    for event in events:
+        _check_event(event, run_id)
+        key = (event.step_id, event.phase)
+        if key in seen:
+            raise UsageError(f"append() got two {event.phase!r} records for step {event.step_id!r}")
+        seen.add(key)
+        rows.append(_encode(event))
+    return run_id, rows
+
+
+def _check_event(event: StepEvent, run_id: str) -> None:
+    if not isinstance(event, StepEvent):
+        raise UsageError(f"append() takes StepEvent records, got {type(event).__name__}")
+    if event.run_id != run_id:
+        raise UsageError("append() records one run at a time; the batch mixes run ids")
+    check_id("run_id", event.run_id)
+    check_id("step_id", event.step_id)
+    Phase(event.phase)
+
+
+def _encode(event: StepEvent) -> Row:
+    try:
+        payload = json.dumps(event.payload, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UsageError(
+            f"run {event.run_id!r} step {event.step_id!r} {event.phase}: payload is not JSON: {exc}"
+        ) from exc
+    decision = None if event.decision is None else str(event.decision)
+    return (event.run_id, event.step_id, str(event.phase), decision, payload, event.created_at)
+
+
+def decode_row(run_id: str, row: Sequence[Any]) -> StepEvent:
+    """A stored row back to a ``StepEvent``; damage is a ``JournalCorrupt``, not a guess."""
+    step_id, phase, decision, payload, created_at = row
+    try:
+        return StepEvent(
+            run_id=run_id,
+            step_id=step_id,
+            phase=Phase(phase),
+            decision=None if decision is None else Decision(decision),
+            payload=json.loads(payload),
+            created_at=float(created_at),
+        )
+    except (ValueError, TypeError) as exc:
+        raise JournalCorrupt(
+            f"run {run_id!r} step {step_id!r}: stored record cannot be read: {exc}"
+        ) from exc
+
+
+def check_id(what: str, value: object) -> str:
+    """Run and step ids are non-empty text of bounded length; any characters are fine."""
+    if not isinstance(value, str) or not value:
+        raise UsageError(f"{what} must be a non-empty str, got {value!r}")
+    if len(value) > 512:
+        raise UsageError(f"{what} is {len(value)} characters long; the limit is 512")
+    if "\x00" in value:
+        raise UsageError(f"{what} must not contain NUL characters")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"{what} must be valid Unicode text (no lone surrogates)") from exc
+    return value

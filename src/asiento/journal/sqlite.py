@@ -1,0 +1,207 @@
+"""The embedded default: one SQLite file, WAL, one transaction per append.
+
+The primary key ``(run_id, step_id, phase)`` is what separates two writers
+racing for the same record; there is no read-then-write check anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Literal
+
+from .._crash import crash_point
+from ..errors import (
+    DuplicateRecord,
+    JournalBusy,
+    JournalCorrupt,
+    JournalError,
+    JournalTooNew,
+    NotAJournal,
+    UsageError,
+)
+from ..events import FINAL_STEP_ID, Phase, RunInfo, RunStatus, StepEvent
+from ._sqlite_schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION
+from .base import decode_row, encode_batch
+
+Durability = Literal["full", "process"]
+
+_SYNCHRONOUS = {"full": "FULL", "process": "NORMAL"}
+
+_UPSERT_RUN = """
+INSERT INTO runs (run_id, status, events, created_at, updated_at)
+VALUES (:run_id, coalesce(:status, 'running'), :added, :now, :now)
+ON CONFLICT (run_id) DO UPDATE SET
+    status = coalesce(:status, runs.status),
+    events = runs.events + :added,
+    updated_at = :now
+"""
+
+
+class SqliteCheckpointer:
+    """Journal in one SQLite file.
+
+    ``durability="full"`` (the default) survives power loss: every commit is
+    fsynced. ``durability="process"`` survives a crash of the process only and
+    saves the fsync per commit.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, durability: Durability = "full", timeout: float = 5.0
+    ) -> None:
+        if durability not in _SYNCHRONOUS:
+            raise UsageError(f"durability must be 'full' or 'process', got {durability!r}")
+        self.path = Path(path)
+        self.durability = durability
+        self._db = _connect(self.path, timeout)
+        try:
+            _check_identity(self._db, self.path)
+            self._db.execute(f"PRAGMA synchronous={_SYNCHRONOUS[durability]}")
+            if self._db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                _migrate(self._db, self.path)
+        except BaseException:
+            self._db.close()
+            raise
+
+    async def append(self, *events: StepEvent, status: RunStatus | None = None) -> None:
+        run_id, rows = encode_batch(events)
+        with self._errors(), self._transaction():
+            for row in rows:
+                try:
+                    self._db.execute("INSERT INTO journal VALUES (?, ?, ?, ?, ?, ?)", row)
+                except sqlite3.IntegrityError:
+                    raise DuplicateRecord(run_id, row[1], row[2]) from None
+            self._touch(run_id, status, len(rows))
+            crash_point("inside_commit")
+
+    def _touch(self, run_id: str, status: RunStatus | None, added: int) -> None:
+        params = {"run_id": run_id, "status": status, "added": added, "now": time.time()}
+        self._db.execute(_UPSERT_RUN, params)
+
+    async def load(self, run_id: str) -> list[StepEvent]:
+        sql = (
+            "SELECT step_id, phase, decision, payload, created_at FROM journal"
+            " WHERE run_id = ? ORDER BY rowid"
+        )
+        with self._errors():
+            rows = self._db.execute(sql, (run_id,)).fetchall()
+        return [decode_row(run_id, row) for row in rows]
+
+    async def load_step(self, run_id: str, step_id: str) -> list[StepEvent]:
+        sql = (
+            "SELECT step_id, phase, decision, payload, created_at FROM journal"
+            " WHERE run_id = ? AND step_id = ? ORDER BY rowid"
+        )
+        with self._errors():
+            rows = self._db.execute(sql, (run_id, step_id)).fetchall()
+        return [decode_row(run_id, row) for row in rows]
+
+    async def final(self, run_id: str) -> StepEvent | None:
+        sql = (
+            "SELECT step_id, phase, decision, payload, created_at FROM journal"
+            " WHERE run_id = ? AND step_id = ? AND phase = ?"
+        )
+        with self._errors():
+            row = self._db.execute(sql, (run_id, FINAL_STEP_ID, Phase.RESULT.value)).fetchone()
+        return None if row is None else decode_row(run_id, row)
+
+    async def set_status(self, run_id: str, status: RunStatus) -> None:
+        with self._errors(), self._transaction():
+            cur = self._db.execute(
+                "UPDATE runs SET status = ?, updated_at = ? WHERE run_id = ?",
+                (status.value, time.time(), run_id),
+            )
+            if cur.rowcount == 0:
+                raise UsageError(f"unknown run {run_id!r} in {self.path}")
+
+    async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
+        sql = "SELECT run_id, status, events, created_at, updated_at FROM runs"
+        args: tuple[str, ...] = ()
+        if status is not None:
+            sql, args = sql + " WHERE status = ?", (RunStatus(status).value,)
+        with self._errors():
+            rows = self._db.execute(sql + " ORDER BY created_at, run_id", args).fetchall()
+        return [
+            RunInfo(
+                run_id=r[0], status=RunStatus(r[1]), events=r[2], created_at=r[3], updated_at=r[4]
+            )
+            for r in rows
+        ]
+
+    async def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.rollback()
+            raise
+        self._db.commit()
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Turn SQLite's errors into asiento's, naming the file."""
+        try:
+            yield
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise JournalBusy(f"{self.path}: {exc}; another process holds the lock") from exc
+            raise JournalError(f"{self.path}: {exc}") from exc
+        except sqlite3.DatabaseError as exc:
+            raise JournalCorrupt(f"{self.path}: {exc}; the file was left as it is") from exc
+
+
+def _connect(path: Path, timeout: float) -> sqlite3.Connection:
+    if path.is_dir():
+        raise UsageError(f"{path} is a directory, not a journal file")
+    try:
+        db = sqlite3.connect(path, timeout=timeout, isolation_level=None, check_same_thread=False)
+    except sqlite3.Error as exc:
+        raise JournalError(f"cannot open journal {path}: {exc}") from exc
+    return db
+
+
+def _check_identity(db: sqlite3.Connection, path: Path) -> None:
+    """Refuse a file that is not an asiento journal before touching it."""
+    try:
+        app_id = db.execute("PRAGMA application_id").fetchone()[0]
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        tables = db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+        db.execute("PRAGMA journal_mode=WAL")
+    except sqlite3.DatabaseError as exc:
+        raise NotAJournal(
+            f"{path} is not an asiento journal ({exc}); it was left as it is"
+        ) from exc
+    if app_id != APPLICATION_ID and (app_id != 0 or tables):
+        raise NotAJournal(f"{path} is an SQLite database but not an asiento journal")
+    if version > SCHEMA_VERSION:
+        raise JournalTooNew(
+            f"{path} has journal schema {version}; this asiento reads up to {SCHEMA_VERSION}. "
+            "Upgrade asiento to resume these runs"
+        )
+
+
+def _migrate(db: sqlite3.Connection, path: Path) -> None:
+    """Apply the missing migrations in one write transaction; safe to race."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise JournalTooNew(f"{path} was upgraded to schema {version} by a newer asiento")
+        for number in range(version, SCHEMA_VERSION):
+            for statement in MIGRATIONS[number].split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            db.execute(f"PRAGMA user_version = {number + 1}")
+        db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    except BaseException:
+        db.rollback()
+        raise
+    db.commit()

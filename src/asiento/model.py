@@ -1,0 +1,154 @@
+"""What crosses the boundary to a model: requests, responses, tool calls.
+
+Plain frozen dataclasses that turn into JSON and back, so the journal holds
+data, never live clients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from .errors import UsageError
+
+Role = Literal["user", "assistant", "tool"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCall:
+    """One call the model asked for: a tool name and its JSON arguments."""
+
+    name: str
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+    id: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "arguments": dict(self.arguments), "id": self.id}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ToolCall:
+        return cls(name=data["name"], arguments=data.get("arguments", {}), id=data.get("id", ""))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Usage:
+    """Tokens a model call was billed for, as the provider reported them."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelResponse:
+    """The model's answer: text, and the tool calls it asks for (in order)."""
+
+    text: str = ""
+    tool_calls: Sequence[ToolCall] = ()
+    usage: Usage = field(default_factory=Usage)
+    model: str = ""
+    request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"text": self.text}
+        if self.tool_calls:
+            data["tool_calls"] = [c.to_json() for c in self.tool_calls]
+        if self.usage.input_tokens or self.usage.output_tokens:
+            data["usage"] = [self.usage.input_tokens, self.usage.output_tokens]
+        if self.model:
+            data["model"] = self.model
+        if self.request_id is not None:
+            data["request_id"] = self.request_id
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ModelResponse:
+        inp, out = data.get("usage", (0, 0))
+        return cls(
+            text=data.get("text", ""),
+            tool_calls=[ToolCall.from_json(c) for c in data.get("tool_calls", ())],
+            usage=Usage(input_tokens=inp, output_tokens=out),
+            model=data.get("model", ""),
+            request_id=data.get("request_id"),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Message:
+    """One message of the conversation derived from the journal."""
+
+    role: Role
+    content: str = ""
+    tool_calls: Sequence[ToolCall] = ()
+    tool_call_id: str = ""
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            data["tool_calls"] = [c.to_json() for c in self.tool_calls]
+        if self.tool_call_id:
+            data["tool_call_id"] = self.tool_call_id
+        if self.name:
+            data["name"] = self.name
+        return data
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolSchema:
+    """A tool as the model sees it: name, description, JSON schema of its arguments."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "parameters": dict(self.parameters),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelRequest:
+    """Everything a gateway needs to ask the model for the next step."""
+
+    instructions: str = ""
+    messages: Sequence[Message] = ()
+    tools: Sequence[ToolSchema] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "messages", tuple(self.messages))
+        object.__setattr__(self, "tools", tuple(self.tools))
+
+
+@runtime_checkable
+class Gateway(Protocol):
+    """How a model is reached. The key travels to providers that honour one."""
+
+    async def complete(self, request: ModelRequest, *, idempotency_key: str) -> ModelResponse:
+        """Ask the model; the same key must never be used for a different body."""
+        ...
+
+
+def check_response(response: object, *, where: str) -> ModelResponse:
+    """Refuse a gateway answer that could not be recorded and replayed faithfully."""
+    if not isinstance(response, ModelResponse):
+        raise UsageError(
+            f"{where}: the gateway returned {type(response).__name__}, expected a ModelResponse"
+        )
+    if not isinstance(response.text, str):
+        raise UsageError(f"{where}: ModelResponse.text must be a str")
+    for call in response.tool_calls:
+        if not isinstance(call, ToolCall) or not isinstance(call.name, str) or not call.name:
+            raise UsageError(f"{where}: every tool call needs a non-empty str name, got {call!r}")
+        if not isinstance(call.arguments, Mapping):
+            raise UsageError(f"{where}: tool call {call.name!r} has non-object arguments")
+    return response
