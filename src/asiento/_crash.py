@@ -12,10 +12,12 @@ import signal
 
 CRASH_POINTS: tuple[str, ...] = (
     "before_intent",
+    "after_prepare",
     "after_intent",
     "after_submitted",
     "inside_tool",
     "after_tool",
+    "after_publish",
     "after_result",
     "inside_model_call",
     "after_model_result",

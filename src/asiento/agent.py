@@ -8,11 +8,15 @@ tool runs, and the tool result before the next model call depends on it.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from ._canonical import FingerprintChain, canonical_json, fingerprint
+from pydantic_core import to_jsonable_python
+
+from ._canonical import FingerprintChain, canonical_json, fingerprint, idem_key
 from ._crash import crash_point
+from .effects.base import Effect, EffectRejected, Published, Reconcile, reconcile
 from .errors import MaxTurnsExceeded, ReplayDivergence, UncertainEffect, UsageError
 from .events import (
     FINAL_STEP_ID,
@@ -28,7 +32,7 @@ from .events import (
 )
 from .model import Message, ModelRequest, ModelResponse, ToolCall, check_response
 from .policy import Policy, allow_all, ask_policy
-from .replay import Action, Records, decide, merge_attempt
+from .replay import Action, Records, StepState, decide, step_state
 from .session import Session
 from .tools import Tool, ToolArgumentsError
 
@@ -189,7 +193,8 @@ class _Pass:
     async def _tool_step(self, step_id: str, call: ToolCall) -> bool:
         """Bring one tool call to a known outcome; False when the run must stop here."""
         tool = self.agent.tools.get(call.name)
-        records, attempt = merge_attempt(self.journal.get(step_id, {}), self.journal, step_id)
+        state = step_state(self.journal, step_id)
+        records = state.records
         action = decide(records, idempotent=tool.idempotent if tool else True)
         if action is Action.FEED_RESULT:
             self.stats.tool_calls_replayed += 1
@@ -202,56 +207,90 @@ class _Pass:
             return await self._start(step_id, call, tool)
         elif action is Action.EXECUTE:
             assert tool is not None  # an unknown tool gets its result at START
-            await self._execute(attempt, call, tool, records)
+            await self._execute(state, call, tool)
         elif action is Action.FEED_DENIAL:
             self._deny(step_id, call, records)
         elif action is Action.AWAIT_APPROVAL:
             await self._suspend(step_id, call, records[Phase.INTENT])
             return False
+        elif tool is not None and tool.effect is not None:
+            await self._reconcile(state, call, tool, tool.effect)
         else:
-            await self._flush()
-            await self.store.set_status(self.run_id, RunStatus.UNCERTAIN)
-            raise UncertainEffect(self.run_id, attempt, call.name)
+            await self._uncertain(state, call, "")
         return True
 
     async def _start(self, step_id: str, call: ToolCall, tool: Tool | None) -> bool:
         args = dict(call.arguments)
-        payload = {"tool": call.name, "args": args, "fp": fingerprint(args)}
+        payload: dict[str, Any] = {"tool": call.name, "args": args, "fp": fingerprint(args)}
         problem = _argument_problem(call, tool)
-        if problem is not None:
+        if problem is not None or tool is None:
             self._record(step_id, Phase.INTENT, payload)
             self._result(step_id, call, Decision.ALLOW, {"status": "error", "error": problem})
             return True
-        assert tool is not None
         decision = await ask_policy(self.agent.policy, call)
+        if tool.effect is not None and decision is not Decision.DENY:
+            problem = _prepare(tool, self.run_id, step_id, payload)
         intent = self._record(step_id, Phase.INTENT, payload, decision)
-        if decision is Decision.DENY:
+        if problem is not None:
+            self._result(step_id, call, decision, {"status": "error", "error": problem})
+        elif decision is Decision.DENY:
             denial = {"status": "denied", "by": "policy", "reason": "denied by policy"}
             self._result(step_id, call, decision, denial)
         elif decision is Decision.REQUIRE_APPROVAL:
             await self._suspend(step_id, call, intent)
             return False
         else:
-            await self._execute(step_id, call, tool, {Phase.INTENT: intent})
+            if tool.effect is not None:
+                await self._flush()
+                crash_point("after_prepare")
+            await self._execute(StepState(step_id, 1, {Phase.INTENT: intent}), call, tool)
         return True
 
-    async def _execute(self, step_id: str, call: ToolCall, tool: Tool, records: Records) -> None:
+    async def _execute(
+        self, state: StepState, call: ToolCall, tool: Tool, via: str = "publish"
+    ) -> None:
         """Run the tool once, with its intent and submitted marker durable before it starts."""
-        if Phase.SUBMITTED not in records:
-            self._record(step_id, Phase.SUBMITTED, {})
+        records, attempt_id = state.records, state.next_id
+        attempts = state.attempt + (1 if Phase.SUBMITTED in records else 0)
+        self._record(attempt_id, Phase.SUBMITTED, {})
         await self._flush()
         intent = records[Phase.INTENT]
-        try:
-            value = await tool.invoke(intent.payload["args"])
-            outcome = _ok(value)
-        except ToolArgumentsError as exc:
-            outcome = {"status": "error", "error": str(exc)}
-        except Exception as exc:
-            outcome = {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+        if tool.effect is not None:
+            outcome = await _publish(tool.effect, intent, via, attempts)
+        else:
+            outcome = await _invoke(tool, intent)
         self.stats.tool_calls += 1
         crash_point("after_tool")
-        approved = Phase.APPROVAL in records
-        self._result(step_id, call, Decision.APPROVED if approved else Decision.ALLOW, outcome)
+        decision = Decision.APPROVED if Phase.APPROVAL in records else Decision.ALLOW
+        self._result(attempt_id, call, decision, outcome, step_id=state.step_id)
+
+    async def _reconcile(
+        self, state: StepState, call: ToolCall, tool: Tool, effect: Effect
+    ) -> None:
+        """Submitted, no outcome: a live key, then a lookup, else a person."""
+        first = self.journal[state.step_id][Phase.SUBMITTED].created_at
+        how = reconcile(
+            honours_keys=effect.honours_keys,
+            key_ttl=effect.key_ttl,
+            has_lookup=effect.has_lookup,
+            first_submitted_at=first,
+            now=time.time(),
+        )
+        if how is Reconcile.UNCERTAIN:
+            await self._uncertain(state, call, _why_uncertain(effect))
+        if how is Reconcile.LOOKUP:
+            found = await effect.lookup(state.records[Phase.INTENT].payload["prepared"])
+            if found is not None:
+                decision = Decision.APPROVED if Phase.APPROVAL in state.records else Decision.ALLOW
+                outcome = _published(found, "lookup", state.attempt)
+                self._result(state.current_id, call, decision, outcome, step_id=state.step_id)
+                return
+        await self._execute(state, call, tool, via=how.value)
+
+    async def _uncertain(self, state: StepState, call: ToolCall, detail: str) -> None:
+        await self._flush()
+        await self.store.set_status(self.run_id, RunStatus.UNCERTAIN)
+        raise UncertainEffect(self.run_id, state.current_id, call.name, detail)
 
     def _deny(self, step_id: str, call: ToolCall, records: Records) -> None:
         approval = records.get(Phase.APPROVAL)
@@ -273,20 +312,30 @@ class _Pass:
             )
         )
         fp = str(intent.payload.get("fp", ""))
+        prepared = intent.payload.get("prepared")
         self.waiting.append(
-            ApprovalStep(run_id=self.run_id, step_id=step_id, call=call, fingerprint=fp)
+            ApprovalStep(
+                run_id=self.run_id, step_id=step_id, call=call, fingerprint=fp, prepared=prepared
+            )
         )
         await self._flush(RunStatus.SUSPENDED)
 
     def _result(
-        self, step_id: str, call: ToolCall, decision: Decision, outcome: dict[str, Any]
+        self,
+        record_id: str,
+        call: ToolCall,
+        decision: Decision,
+        outcome: dict[str, Any],
+        *,
+        step_id: str | None = None,
     ) -> None:
-        self._record(step_id, Phase.RESULT, outcome)
+        """Record an outcome under ``record_id`` (an attempt of ``step_id``) and feed it."""
+        self._record(record_id, Phase.RESULT, outcome)
         value = outcome.get("value", outcome.get("error", outcome.get("reason")))
         self.waiting.append(
             ToolStep(
                 run_id=self.run_id,
-                step_id=step_id,
+                step_id=step_id or record_id,
                 call=call,
                 decision=decision,
                 status=outcome["status"],
@@ -352,10 +401,70 @@ def _argument_problem(call: ToolCall, tool: Tool | None) -> str | None:
     return None
 
 
+def _prepare(tool: Tool, run_id: str, step_id: str, intent: dict[str, Any]) -> str | None:
+    """Freeze the effect's payload and key into the intent; a problem is the step's outcome."""
+    assert tool.effect is not None
+    try:
+        prepared = to_jsonable_python(tool.effect.prepare(**tool.validate(intent["args"])))
+        canonical_json(prepared)
+    except EffectRejected as exc:
+        return f"refused while preparing: {exc}"
+    except Exception as exc:
+        return f"prepare failed: {type(exc).__name__}: {exc}"
+    intent["prepared"] = prepared
+    intent["idem_key"] = idem_key(run_id, step_id, prepared)
+    intent["fp"] = fingerprint({"args": intent["args"], "prepared": prepared})
+    return None
+
+
+async def _invoke(tool: Tool, intent: StepEvent) -> dict[str, Any]:
+    """Call a plain tool; whatever it raises is its recorded outcome."""
+    try:
+        return _ok(await tool.invoke(intent.payload["args"]))
+    except ToolArgumentsError as exc:
+        return {"status": "error", "error": str(exc)}
+    except Exception as exc:
+        return {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+
+
+async def _publish(effect: Effect, intent: StepEvent, via: str, attempts: int) -> dict[str, Any]:
+    """Publish the frozen payload under the frozen key. Only a refusal is an outcome:
+
+    any other exception leaves the step submitted, to be reconciled on resume.
+    """
+    payload, key = intent.payload["prepared"], intent.payload["idem_key"]
+    try:
+        published = await effect.publish(payload, key)
+    except EffectRejected as exc:
+        return {"status": "error", "error": f"refused: {exc}", "attempts": attempts}
+    crash_point("after_publish")
+    if not isinstance(published, Published):
+        raise UsageError(
+            f"{type(effect).__name__}.publish() must return Published, got {published!r}"
+        )
+    return _published(published, via, attempts)
+
+
+def _published(published: Published, via: str, attempts: int) -> dict[str, Any]:
+    outcome = published.outcome(via, attempts)
+    try:
+        outcome["value"] = to_jsonable_python(outcome["value"])
+        canonical_json(outcome)
+    except Exception:
+        outcome["value"] = {"remote_id": published.remote_id}
+    return outcome
+
+
+def _why_uncertain(effect: Effect) -> str:
+    if effect.honours_keys:
+        return (
+            f"Its idempotency key is older than its TTL ({effect.key_ttl}s) and it has no lookup."
+        )
+    return "Its destination does not honour idempotency keys and it has no lookup."
+
+
 def _ok(value: Any) -> dict[str, Any]:
     """A tool's return value as a recorded outcome; what is not JSON is a recorded failure."""
-    from pydantic_core import to_jsonable_python
-
     try:
         jsonable = to_jsonable_python(value)
         canonical_json(jsonable)

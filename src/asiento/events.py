@@ -99,13 +99,15 @@ class ToolStep:
 class ApprovalStep:
     """The run is suspended on disk until a person approves or denies ``step_id``.
 
-    ``fingerprint`` identifies the exact frozen arguments a person is asked about.
+    ``fingerprint`` identifies the exact frozen arguments a person is asked about;
+    ``prepared`` is the frozen payload an effect would publish, if it is one.
     """
 
     run_id: str
     step_id: str
     call: ToolCall
     fingerprint: str
+    prepared: Any = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

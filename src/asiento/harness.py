@@ -12,7 +12,7 @@ from ._crash import crash_point
 from .errors import ApprovalError, DuplicateRecord, UsageError
 from .events import Decision, Phase, RunStatus, StepEvent
 from .journal.base import Checkpointer, check_id
-from .replay import merge_attempt
+from .replay import step_state
 
 
 async def approve(
@@ -117,15 +117,17 @@ async def resolve(
     journal: dict[str, dict[Phase, StepEvent]] = {}
     for event in await store.load(run_id):
         journal.setdefault(event.step_id, {})[event.phase] = event
-    base = step_id.split("/", 1)[0]
-    records, attempt = merge_attempt(journal.get(base, {}), journal, base)
-    where = f"run {run_id!r} step {base!r}"
+    state = step_state(journal, step_id.split("/", 1)[0])
+    records = state.records
+    where = f"run {run_id!r} step {state.step_id!r}"
     if Phase.SUBMITTED not in records or Phase.RESULT in records or Phase.RESOLUTION in records:
         raise UsageError(f"{where} is not uncertain (submitted with no recorded outcome)")
     payload = {"happened": happened, "by": by, "reason": reason, "remote_id": remote_id}
     if happened:
         payload["result"] = result if result is not None else {"remote_id": remote_id}
-    event = StepEvent(run_id=run_id, step_id=attempt, phase=Phase.RESOLUTION, payload=payload)
+    event = StepEvent(
+        run_id=run_id, step_id=state.current_id, phase=Phase.RESOLUTION, payload=payload
+    )
     try:
         await store.append(event, status=RunStatus.RUNNING)
     except DuplicateRecord:

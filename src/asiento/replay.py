@@ -13,14 +13,17 @@
 | ... and a person resolved: happened        | FEED_RESOLUTION |
 | ... and a person resolved: did not happen  | next attempt    |
 
-A retry after "did not happen" is a new attempt with its own step id
-(``step/2``, ``step/3``...), so each attempt keeps its own write-ahead record
-and a crash inside a retry is as uncertain as one inside the first try.
+A new submission of a step that was already submitted (a retry after "did not
+happen", an idempotent re-run, a republish while reconciling an effect) is a new
+attempt with its own step id (``step/2``, ``step/3``...): each attempt keeps its
+own write-ahead record, so a crash inside a retry is as uncertain as one inside
+the first try, and the attempts are counted in the journal.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 
 from .errors import ApprovalError, JournalCorrupt
@@ -63,8 +66,8 @@ def decide(records: Records, *, idempotent: bool) -> Action:
     if Phase.SUBMITTED not in records:
         return Action.EXECUTE
     resolution = records.get(Phase.RESOLUTION)
-    if resolution is not None and resolution.payload.get("happened"):
-        return Action.FEED_RESOLUTION
+    if resolution is not None:
+        return Action.FEED_RESOLUTION if resolution.payload.get("happened") else Action.EXECUTE
     return Action.EXECUTE if idempotent else Action.UNCERTAIN
 
 
@@ -83,23 +86,37 @@ def attempt_id(step_id: str, attempt: int) -> str:
     return step_id if attempt == 1 else f"{step_id}/{attempt}"
 
 
-def merge_attempt(
-    base: Records, journal: Mapping[str, Records], step_id: str
-) -> tuple[Records, str]:
-    """The records that decide a step now: intent and approval, plus its latest attempt."""
-    attempt, current = 1, base
-    while _resolved_not_happened(current):
+@dataclass(frozen=True, slots=True)
+class StepState:
+    """A tool step as replay sees it: intent and approval, plus its latest attempt."""
+
+    step_id: str
+    attempt: int
+    records: Records
+
+    @property
+    def current_id(self) -> str:
+        """Where the latest attempt's records live."""
+        return attempt_id(self.step_id, self.attempt)
+
+    @property
+    def next_id(self) -> str:
+        """Where a new submission writes: a fresh attempt once this one was submitted."""
+        if Phase.SUBMITTED in self.records:
+            return attempt_id(self.step_id, self.attempt + 1)
+        return self.current_id
+
+
+def step_state(journal: Mapping[str, Records], step_id: str) -> StepState:
+    """Merge a step's base records with those of its latest attempt."""
+    base = journal.get(step_id, {})
+    attempt = 1
+    while attempt_id(step_id, attempt + 1) in journal:
         attempt += 1
-        current = journal.get(attempt_id(step_id, attempt), {})
     if attempt == 1:
-        return base, step_id
+        return StepState(step_id, 1, base)
     merged: dict[Phase, StepEvent] = {
         p: e for p, e in base.items() if p in (Phase.INTENT, Phase.APPROVAL)
     }
-    merged.update(current)
-    return merged, attempt_id(step_id, attempt)
-
-
-def _resolved_not_happened(records: Records) -> bool:
-    resolution = records.get(Phase.RESOLUTION)
-    return resolution is not None and not resolution.payload.get("happened")
+    merged.update(journal[attempt_id(step_id, attempt)])
+    return StepState(step_id, attempt, merged)

@@ -5,16 +5,20 @@ Non-idempotent is the default: a tool must declare itself safe to repeat.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, get_type_hints, overload
+from typing import TYPE_CHECKING, Any, get_type_hints, overload
 
 import pydantic
 
 from .errors import UsageError
 from .model import ToolSchema
+
+if TYPE_CHECKING:
+    from .effects.base import Effect
 
 ToolFunction = Callable[..., Any]
 
@@ -32,6 +36,7 @@ class Tool:
     idempotent: bool
     fn: ToolFunction
     arguments_model: type[pydantic.BaseModel]
+    effect: Effect | None = None
 
     @property
     def schema(self) -> ToolSchema:
@@ -54,6 +59,10 @@ class Tool:
         if inspect.isawaitable(result):
             return await result
         return result
+
+    def with_effect(self, effect: Effect) -> Tool:
+        """This tool, published through ``effect`` (prepare / publish / confirm)."""
+        return dataclasses.replace(self, effect=effect, idempotent=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)

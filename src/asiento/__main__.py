@@ -1,0 +1,5 @@
+"""``python -m asiento`` is the ``asiento`` command."""
+
+from .cli import main
+
+main()
