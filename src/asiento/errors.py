@@ -8,6 +8,8 @@
     │   ├── JournalCorrupt      the journal file is damaged; it is never overwritten
     │   ├── JournalBusy         another process held the write lock past the timeout
     │   ├── JournalTooNew       the journal was written by a newer asiento
+    │   ├── RunLocked           another session holds the run's lease
+    │   ├── LeaseLost           this session's lease expired or was taken over: it writes nothing
     │   └── ReplayDivergence    the resumed run would send a different request than recorded
     └── RunError                the run cannot go on without a person
         ├── UncertainEffect     an effect was submitted and nobody knows whether it happened
@@ -57,6 +59,14 @@ class JournalBusy(JournalError):
 
 class JournalTooNew(JournalError):
     """The journal's schema version is newer than this asiento understands."""
+
+
+class RunLocked(JournalError):
+    """Another live session holds the run's lease."""
+
+
+class LeaseLost(JournalError):
+    """The session's lease expired or was taken over; its writes are refused."""
 
 
 class ReplayDivergence(JournalError):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, get_type_hints, overload
 
 import pydantic
 
-from .errors import UsageError
+from .errors import AsientoError, UsageError
 from .model import ToolSchema
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 ToolFunction = Callable[..., Any]
 
 
-class ToolArgumentsError(ValueError):
+class ToolArgumentsError(AsientoError, ValueError):
     """The model's arguments do not fit the tool's signature."""
 
 
@@ -40,8 +40,10 @@ class Tool:
 
     @property
     def schema(self) -> ToolSchema:
-        parameters = self.arguments_model.model_json_schema()
+        parameters = self.arguments_model.model_json_schema(by_alias=True)
         parameters.pop("title", None)
+        for prop in parameters.get("properties", {}).values():
+            prop.pop("title", None)
         return ToolSchema(name=self.name, description=self.description, parameters=parameters)
 
     def validate(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
@@ -50,7 +52,10 @@ class Tool:
             model = self.arguments_model.model_validate(dict(arguments))
         except pydantic.ValidationError as exc:
             raise ToolArgumentsError(f"invalid arguments for tool {self.name!r}: {exc}") from None
-        return {name: getattr(model, name) for name in type(model).model_fields}
+        return {
+            field.alias or name: getattr(model, name)
+            for name, field in type(model).model_fields.items()
+        }
 
     async def invoke(self, arguments: Mapping[str, Any]) -> Any:
         """Run the tool once. Sync tools run in the event loop's thread."""
@@ -93,7 +98,7 @@ def tool(
             raise UsageError(f"@tool decorates a function, got {f!r}")
         if not isinstance(idempotent, bool):
             raise UsageError(f"@tool(idempotent=...) takes True or False, got {idempotent!r}")
-        tool_name = name or f.__name__
+        tool_name = f.__name__ if name is None else name
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", tool_name):
             raise UsageError(f"tool name {tool_name!r} must be 1-64 letters, digits, _ or -")
         summary, params = _parse_docstring(inspect.getdoc(f) or "")
@@ -118,26 +123,39 @@ def _arguments_model(
             )
         default = ... if param.default is param.empty else param.default
         annotation = hints.get(param.name, Any)
-        fields[param.name] = (annotation, pydantic.Field(default, description=docs.get(param.name)))
-    config = pydantic.ConfigDict(extra="forbid")
+        field = pydantic.Field(default, description=docs.get(param.name), alias=param.name)
+        fields[_field_name(param.name)] = (annotation, field)
+    config = pydantic.ConfigDict(extra="forbid", populate_by_name=False)
     try:
         return pydantic.create_model(f"{tool_name}_arguments", __config__=config, **fields)
     except Exception as exc:
         raise UsageError(f"tool {tool_name!r}: its signature has no JSON schema: {exc}") from exc
 
 
+def _field_name(name: str) -> str:
+    """A pydantic field name for a parameter; names BaseModel already uses get a suffix."""
+    return f"{name}__arg" if hasattr(pydantic.BaseModel, name) else name
+
+
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
     """The summary paragraph and the ``Args:`` descriptions of a Google-style docstring."""
     summary = doc.split("\n\n", 1)[0].strip()
     params: dict[str, str] = {}
-    in_args = False
+    in_args, current, indent = False, "", 0
     for line in doc.splitlines():
         if line.strip() in ("Args:", "Arguments:", "Parameters:"):
-            in_args = True
+            in_args, current = True, ""
             continue
-        match = re.match(r"\s+(\w+)(?:\s*\([^)]*\))?:\s*(.+)", line) if in_args else None
-        if match:
-            params[match.group(1)] = match.group(2).strip()
-        elif in_args and line and not line[0].isspace():
+        if not in_args or not line.strip():
+            continue
+        if not line[0].isspace():
             in_args = False
+            continue
+        width = len(line) - len(line.lstrip())
+        match = re.match(r"\s+(\w+)(?:\s*\([^)]*\))?:\s*(.*)", line)
+        if match and (not current or width <= indent):
+            current, indent = match.group(1), width
+            params[current] = match.group(2).strip()
+        elif current:
+            params[current] = f"{params[current]} {line.strip()}".strip()
     return summary, params

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..errors import RunError
+from ..errors import AsientoError, RunError
 
 if TYPE_CHECKING:
     from ..tools import Tool
@@ -38,7 +38,7 @@ class Published:
         }
 
 
-class EffectRejected(Exception):
+class EffectRejected(AsientoError):
     """Raised by ``publish`` when the destination refused: the effect certainly did not happen.
 
     It is recorded as the step's failed outcome. Any other exception from

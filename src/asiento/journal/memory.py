@@ -48,7 +48,7 @@ class MemoryCheckpointer:
         if (run_id, FINAL_STEP_ID, Phase.RESULT) not in self._keys:
             return None
         events = await self.load_step(run_id, FINAL_STEP_ID)
-        return events[0]
+        return next(e for e in events if e.phase == Phase.RESULT)
 
     async def set_status(self, run_id: str, status: RunStatus) -> None:
         if run_id not in self._runs:

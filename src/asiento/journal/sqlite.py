@@ -151,6 +151,8 @@ class SqliteCheckpointer:
         try:
             yield
         except sqlite3.OperationalError as exc:
+            if "decode" in str(exc):
+                raise JournalCorrupt(f"{self.path}: {exc}; the file was left as it is") from exc
             if "locked" in str(exc) or "busy" in str(exc):
                 raise JournalBusy(f"{self.path}: {exc}; another process holds the lock") from exc
             raise JournalError(f"{self.path}: {exc}") from exc
@@ -174,7 +176,6 @@ def _check_identity(db: sqlite3.Connection, path: Path) -> None:
         app_id = db.execute("PRAGMA application_id").fetchone()[0]
         version = db.execute("PRAGMA user_version").fetchone()[0]
         tables = db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
-        db.execute("PRAGMA journal_mode=WAL")
     except sqlite3.DatabaseError as exc:
         raise NotAJournal(
             f"{path} is not an asiento journal ({exc}); it was left as it is"
@@ -186,6 +187,7 @@ def _check_identity(db: sqlite3.Connection, path: Path) -> None:
             f"{path} has journal schema {version}; this asiento reads up to {SCHEMA_VERSION}. "
             "Upgrade asiento to resume these runs"
         )
+    db.execute("PRAGMA journal_mode=WAL")
 
 
 def _migrate(db: sqlite3.Connection, path: Path) -> None:

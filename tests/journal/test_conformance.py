@@ -1,0 +1,255 @@
+"""One conformance suite that every journal backend must pass.
+
+A new backend joins by adding one factory to ``FACTORIES``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asiento import (
+    Checkpointer,
+    Decision,
+    DuplicateRecord,
+    MemoryCheckpointer,
+    Phase,
+    RunStatus,
+    SqliteCheckpointer,
+    StepEvent,
+    UsageError,
+)
+
+Factory = Callable[[Path], "Checkpointer | Awaitable[Checkpointer]"]
+
+FACTORIES: dict[str, Factory] = {
+    "memory": lambda tmp: MemoryCheckpointer(),
+    "sqlite": lambda tmp: SqliteCheckpointer(tmp / "runs.db"),
+}
+
+
+@pytest.fixture(params=list(FACTORIES))
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Checkpointer]:
+    """A fresh, empty journal of each backend."""
+    made = FACTORIES[request.param](tmp_path)
+    backend = await made if inspect.isawaitable(made) else made
+    yield backend
+    await backend.close()
+
+
+def ev(
+    step_id: str,
+    phase: Phase = Phase.RESULT,
+    *,
+    run_id: str = "run-1",
+    decision: Decision | None = None,
+    **payload: Any,
+) -> StepEvent:
+    """A record with a small payload."""
+    return StepEvent(
+        run_id=run_id, step_id=step_id, phase=phase, decision=decision, payload=payload
+    )
+
+
+async def test_load_keeps_append_order(store: Checkpointer) -> None:
+    """load() returns every record in the order of the appends, across batches."""
+    batches = [
+        [ev("m1", n=1)],
+        [ev("m1.t1", Phase.INTENT, decision=Decision.ALLOW), ev("m1.t1", Phase.SUBMITTED)],
+        [ev("m1.t1", n=2)],
+        [ev("m2", n=3), ev("a-sorts-first", n=4)],
+    ]
+    for batch in batches:
+        await store.append(*batch)
+    assert await store.load("run-1") == [e for batch in batches for e in batch]
+
+
+async def test_batch_with_duplicate_records_nothing(store: Checkpointer) -> None:
+    """A batch whose third record is already taken records none of its records."""
+    first = ev("s3", n=0)
+    await store.append(first)
+    batch = [ev("s1"), ev("s2"), ev("s3", n=1), ev("s4")]
+    with pytest.raises(DuplicateRecord, match=r"run-1.*s3.*result") as info:
+        await store.append(*batch, status=RunStatus.CLOSED)
+    assert (info.value.run_id, info.value.step_id, info.value.phase) == ("run-1", "s3", "result")
+    assert await store.load("run-1") == [first]
+    [run] = await store.runs()
+    assert (run.events, run.status) == (1, RunStatus.RUNNING)
+
+
+async def test_duplicate_key_across_appends(store: Checkpointer) -> None:
+    """The second append of the same (run, step, phase) raises DuplicateRecord."""
+    await store.append(ev("m1.t1", Phase.INTENT, x=1))
+    with pytest.raises(DuplicateRecord):
+        await store.append(ev("m1.t1", Phase.INTENT, x=2))
+    assert [e.payload for e in await store.load("run-1")] == [{"x": 1}]
+
+
+async def test_same_step_other_phase_or_run_is_not_a_duplicate(store: Checkpointer) -> None:
+    """Only the whole key (run, step, phase) is unique."""
+    await store.append(ev("m1.t1", Phase.INTENT))
+    await store.append(ev("m1.t1", Phase.RESULT))
+    await store.append(ev("m1.t1", Phase.INTENT, run_id="run-2"))
+    assert len(await store.load("run-1")) == 2
+
+
+async def test_load_step_returns_one_step(store: Checkpointer) -> None:
+    """load_step() returns the records of exactly that step, in order."""
+    await store.append(ev("m1"), ev("m1.t1", Phase.INTENT), ev("m1.t1", Phase.SUBMITTED))
+    await store.append(ev("m1.t1"), ev("m1.t10"))
+    await store.append(ev("m1.t1", run_id="run-2"))
+    steps = await store.load_step("run-1", "m1.t1")
+    assert [(e.step_id, e.phase) for e in steps] == [
+        ("m1.t1", Phase.INTENT),
+        ("m1.t1", Phase.SUBMITTED),
+        ("m1.t1", Phase.RESULT),
+    ]
+    assert await store.load_step("run-1", "nope") == []
+
+
+async def test_final_is_none_until_the_final_record(store: Checkpointer) -> None:
+    """final() is None for an open run and the closing record once it is written."""
+    assert await store.final("run-1") is None
+    await store.append(ev("m1", text="draft"))
+    assert await store.final("run-1") is None
+    closing = ev("final", step="m1", text="done")
+    await store.append(closing, status=RunStatus.CLOSED)
+    assert await store.final("run-1") == closing
+    assert await store.final("run-2") is None
+
+
+async def test_final_is_the_result_record(store: Checkpointer) -> None:
+    """final() is the result record of step ``final``, whatever else that step holds."""
+    await store.append(ev("final", Phase.INTENT, note="not the end"))
+    assert await store.final("run-1") is None
+    closing = ev("final", step="m1", text="done")
+    await store.append(closing, status=RunStatus.CLOSED)
+    assert await store.final("run-1") == closing
+
+
+async def test_set_status_on_unknown_run(store: Checkpointer) -> None:
+    """set_status() on a run the journal does not know is a UsageError."""
+    with pytest.raises(UsageError, match="ghost"):
+        await store.set_status("ghost", RunStatus.UNCERTAIN)
+    assert await store.runs() == []
+
+
+async def test_runs_lists_status_and_event_counts(store: Checkpointer) -> None:
+    """runs() lists runs oldest first with their event counts, filtered by status."""
+    await store.append(ev("m1", run_id="a"), ev("m1.t1", Phase.INTENT, run_id="a"))
+    await store.append(ev("m1", run_id="b"), status=RunStatus.SUSPENDED)
+    await store.append(ev("m1.t1", run_id="a"))
+    await store.set_status("a", RunStatus.UNCERTAIN)
+    listing = await store.runs()
+    assert [(r.run_id, r.status, r.events) for r in listing] == [
+        ("a", RunStatus.UNCERTAIN, 3),
+        ("b", RunStatus.SUSPENDED, 1),
+    ]
+    assert listing[0].created_at <= listing[0].updated_at
+    assert [r.run_id for r in await store.runs(status=RunStatus.SUSPENDED)] == ["b"]
+    assert await store.runs(status=RunStatus.CLOSED) == []
+
+
+async def test_append_without_status_keeps_status(store: Checkpointer) -> None:
+    """An append with no status leaves the run's status as it was."""
+    await store.append(ev("m1"), status=RunStatus.SUSPENDED)
+    await store.append(ev("m2"))
+    [run] = await store.runs()
+    assert run.status is RunStatus.SUSPENDED
+
+
+BAD_BATCHES: dict[str, list[StepEvent]] = {
+    "empty": [],
+    "mixed-runs": [ev("m1"), ev("m2", run_id="run-2")],
+    "same-key-twice": [ev("m1", n=1), ev("m2"), ev("m1", n=2)],
+    "nan": [ev("m1"), ev("m2", x=float("nan"))],
+    "infinity": [ev("m1", x=[float("inf")])],
+    "set": [ev("m1"), ev("m2", x={1, 2})],
+    "bytes": [ev("m1", x=b"raw")],
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_BATCHES))
+async def test_invalid_batch_is_refused_whole(store: Checkpointer, name: str) -> None:
+    """An invalid batch is a UsageError and records nothing at all."""
+    with pytest.raises(UsageError):
+        await store.append(*BAD_BATCHES[name])
+    assert await store.load("run-1") == []
+    assert await store.load("run-2") == []
+    assert await store.runs() == []
+
+
+async def test_append_refuses_what_is_not_a_step_event(store: Checkpointer) -> None:
+    """append() takes StepEvent records only."""
+    with pytest.raises(UsageError):
+        await store.append(ev("m1"), {"run_id": "run-1"})  # type: ignore[arg-type]
+    assert await store.runs() == []
+
+
+ODD_IDS = [
+    "ñandú-日本-🧾",
+    'it\'s "quoted"',
+    "100%_done",
+    "a/b/c",
+    "with spaces  and\ttabs",
+    "x" * 512,
+]
+
+
+@pytest.mark.parametrize("odd", ODD_IDS)
+async def test_odd_ids_round_trip(store: Checkpointer, odd: str) -> None:
+    """Any text up to 512 characters works as run and step id, matched exactly."""
+    mine = ev(odd, run_id=odd, n=1)
+    await store.append(mine)
+    await store.append(ev(odd, run_id=odd[:-1] + "_", n=2))
+    await store.append(ev("final", run_id=odd, step=odd), status=RunStatus.CLOSED)
+    assert (await store.load(odd))[0] == mine
+    assert await store.load_step(odd, odd) == [mine]
+    final = await store.final(odd)
+    assert final is not None
+    assert final.payload == {"step": odd}
+    assert [r.run_id for r in await store.runs(status=RunStatus.CLOSED)] == [odd]
+
+
+BAD_IDS = ["x" * 513, "nul\x00byte", "lone \ud800 surrogate", ""]
+
+
+@pytest.mark.parametrize("bad", BAD_IDS, ids=["513-chars", "nul", "surrogate", "empty"])
+@pytest.mark.parametrize("field", ["run_id", "step_id"])
+async def test_bad_ids_are_refused(store: Checkpointer, bad: str, field: str) -> None:
+    """Ids over 512 characters, with NUL, lone surrogates or empty are UsageErrors."""
+    ids = {"run_id": "run-1", "step_id": "m1", field: bad}
+    event = StepEvent(phase=Phase.RESULT, **ids)
+    with pytest.raises(UsageError, match=field):
+        await store.append(event)
+    assert await store.runs() == []
+
+
+@pytest.mark.parametrize("decision", [None, *Decision])
+async def test_decision_round_trips(store: Checkpointer, decision: Decision | None) -> None:
+    """Every decision, and no decision, reads back as written."""
+    event = ev("m1.t1", Phase.INTENT, decision=decision, tool="t")
+    await store.append(event)
+    [loaded] = await store.load("run-1")
+    assert loaded == event
+    assert loaded.decision is decision
+
+
+async def test_payload_round_trips(store: Checkpointer) -> None:
+    """A nested JSON payload with unicode reads back equal, field by field."""
+    payload = {
+        "texto": 'ñandú ‘comillas’ "dobles" \\ 日本語 🧾',
+        "nested": {"list": [1, -2, 2.5, None, True, False, "", []], "empty": {}},
+        "big": 2**53,
+        "ctrl": "line\nbreak\ttab\u2028",
+    }
+    event = StepEvent(run_id="run-1", step_id="m1", phase=Phase.RESULT, payload=payload)
+    await store.append(event)
+    [loaded] = await store.load("run-1")
+    assert loaded == event
+    assert loaded.payload == payload
+    assert isinstance(loaded.phase, Phase)
