@@ -10,10 +10,12 @@ from .errors import (
     JournalCorrupt,
     JournalError,
     JournalTooNew,
+    LeaseLost,
     MaxTurnsExceeded,
     NotAJournal,
     ReplayDivergence,
     RunError,
+    RunLocked,
     UncertainEffect,
     UsageError,
 )
@@ -21,16 +23,19 @@ from .events import (
     ApprovalStep,
     Decision,
     FinalStep,
+    Lease,
     ModelStep,
     Phase,
     RunInfo,
     RunStatus,
+    Savings,
     Step,
     StepEvent,
     ToolStep,
 )
 from .harness import approve, deny, resolve
 from .journal import Checkpointer, MemoryCheckpointer, SqliteCheckpointer
+from .lease import Holder
 from .model import Gateway, Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
 from .policy import Policy, allow_all, require_approval_for
 from .session import RunStats, Session
@@ -48,10 +53,13 @@ __all__ = [
     "DuplicateRecord",
     "FinalStep",
     "Gateway",
+    "Holder",
     "JournalBusy",
     "JournalCorrupt",
     "JournalError",
     "JournalTooNew",
+    "Lease",
+    "LeaseLost",
     "MaxTurnsExceeded",
     "MemoryCheckpointer",
     "Message",
@@ -64,8 +72,10 @@ __all__ = [
     "ReplayDivergence",
     "RunError",
     "RunInfo",
+    "RunLocked",
     "RunStats",
     "RunStatus",
+    "Savings",
     "Session",
     "SqliteCheckpointer",
     "Step",

@@ -23,6 +23,7 @@ from .events import (
     ApprovalStep,
     Decision,
     FinalStep,
+    Lease,
     ModelStep,
     Phase,
     RunStatus,
@@ -104,6 +105,7 @@ class _Pass:
         self.pending: list[StepEvent] = []
         self.waiting: list[Step] = []  # steps whose records are in ``pending``
         self.out: list[Step] = []  # steps whose records are durable
+        self.lease: Lease | None = None
 
     async def steps(self) -> AsyncIterator[Step]:
         final = await self.store.final(self.run_id)
@@ -115,6 +117,13 @@ class _Pass:
                 replayed=True,
             )
             return
+        async with self.session.driving() as lease:
+            self.lease = lease
+            async for step in self._walk():
+                yield step
+
+    async def _walk(self) -> AsyncIterator[Step]:
+        """Replay what the journal holds, then do what is missing, step by step."""
         self.journal = _index(await self.store.load(self.run_id))
         self._add(Message(role="user", content=self.task))
         for turn in range(1, self.agent.max_turns + 1):
@@ -371,7 +380,7 @@ class _Pass:
         if (Phase.INTENT, True) in phases:
             crash_point("before_intent")
         if events:
-            await self.store.append(*events, status=status)
+            await self.store.append(*events, status=status, lease=self.lease)
         elif status is not None:
             await self.store.set_status(self.run_id, status)
         if (Phase.RESULT, True) in phases:
@@ -464,8 +473,13 @@ def _why_uncertain(effect: Effect) -> str:
 
 
 def _ok(value: Any) -> dict[str, Any]:
-    """A tool's return value as a recorded outcome; what is not JSON is a recorded failure."""
+    """A tool's return value as a recorded outcome; what is not JSON is a recorded failure.
+
+    Dataclasses and pydantic models become objects; sets are refused, because
+    their order differs between processes and the journal must not depend on it.
+    """
     try:
+        _refuse_sets(value)
         jsonable = to_jsonable_python(value)
         canonical_json(jsonable)
     except Exception as exc:
@@ -475,6 +489,17 @@ def _ok(value: Any) -> dict[str, Any]:
             "error": f"the tool's result is not JSON-serialisable ({reason})",
         }
     return {"status": "ok", "value": jsonable}
+
+
+def _refuse_sets(value: Any) -> None:
+    if isinstance(value, set | frozenset):
+        raise TypeError("a set has no stable order; return a sorted list")
+    if isinstance(value, dict):
+        for item in value.values():
+            _refuse_sets(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _refuse_sets(item)
 
 
 def _tool_text(outcome: Any) -> str:

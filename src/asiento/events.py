@@ -61,13 +61,41 @@ class StepEvent:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunInfo:
-    """One run in a listing."""
+    """One run in a listing: its status, its lease, and what its model calls cost."""
 
     run_id: str
     status: RunStatus
     events: int
     created_at: float
     updated_at: float
+    lease_owner: str | None = None
+    lease_expires: float | None = None
+    fence: int = 0
+    model_calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    replayed_calls: int = 0
+    saved_input_tokens: int = 0
+    saved_output_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lease:
+    """A session's hold on a run. ``token`` grows at every takeover (the fencing token)."""
+
+    run_id: str
+    token: int
+    owner: str
+    expires: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Savings:
+    """What one pass replayed from the journal instead of paying for it again."""
+
+    calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -1,12 +1,21 @@
-"""``Session``: one attempt at driving one run, in one process."""
+"""``Session``: one attempt at driving one run, in one process, under its lease."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from .errors import UsageError
+from .errors import AsientoError, LeaseLost, RunLocked, UsageError
+from .events import Lease, Savings
 from .journal.base import Checkpointer, check_id
+from .lease import Holder
 from .model import Gateway
+
+log = logging.getLogger("asiento")
 
 
 @dataclass(slots=True)
@@ -22,11 +31,31 @@ class RunStats:
     input_tokens_saved: int = 0
     output_tokens_saved: int = 0
 
+    def savings(self) -> Savings:
+        return Savings(
+            calls=self.model_calls_replayed,
+            input_tokens=self.input_tokens_saved,
+            output_tokens=self.output_tokens_saved,
+        )
+
 
 class Session:
-    """Binds a run id to the model gateway and the journal for one pass."""
+    """Binds a run id to the model gateway and the journal, and holds the run's lease.
 
-    def __init__(self, run_id: str, gateway: Gateway, store: Checkpointer) -> None:
+    A second session on a run that is held fails fast with ``RunLocked`` naming
+    the holder, or waits up to ``wait`` seconds for it. The lease lasts
+    ``lease_ttl`` seconds and is renewed while the session drives the run.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        gateway: Gateway,
+        store: Checkpointer,
+        *,
+        lease_ttl: float = 30.0,
+        wait: float = 0.0,
+    ) -> None:
         self.run_id = check_id("run_id", run_id)
         if not callable(getattr(gateway, "complete", None)):
             raise UsageError(
@@ -34,9 +63,65 @@ class Session:
             )
         if not isinstance(store, Checkpointer):
             raise UsageError(f"store {store!r} does not implement the Checkpointer protocol")
+        if not lease_ttl > 0 or wait < 0:
+            raise UsageError("Session(lease_ttl=...) must be > 0 and wait=... >= 0 seconds")
         self.gateway = gateway
         self.store = store
+        self.lease_ttl = lease_ttl
+        self.wait = wait
+        self.holder = Holder.here()
         self.stats = RunStats()
 
     def __repr__(self) -> str:
         return f"Session(run_id={self.run_id!r})"
+
+    @contextlib.asynccontextmanager
+    async def driving(self) -> AsyncIterator[Lease]:
+        """Hold the run's lease for the body: acquire, keep alive, release."""
+        lease = await self._acquire()
+        before = self.stats.savings()
+        keeper = asyncio.create_task(self._keep_alive(lease))
+        try:
+            yield lease
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+            await self._release(lease, before)
+
+    async def _acquire(self) -> Lease:
+        deadline = time.monotonic() + self.wait
+        while True:
+            try:
+                return await self.store.acquire(self.run_id, self.holder, ttl=self.lease_ttl)
+            except RunLocked:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                await asyncio.sleep(min(0.2, left))
+
+    async def _keep_alive(self, lease: Lease) -> None:
+        """Renew the lease while the body runs (long tools, slow consumers)."""
+        while True:
+            await asyncio.sleep(self.lease_ttl / 3)
+            try:
+                await self.store.renew(lease, ttl=self.lease_ttl)
+            except LeaseLost:
+                log.warning(
+                    "run %r: lease lost; the session's next write will be refused", self.run_id
+                )
+                return
+            except AsientoError as exc:
+                log.warning("run %r: could not renew the lease: %s", self.run_id, exc)
+
+    async def _release(self, lease: Lease, before: Savings) -> None:
+        now = self.stats.savings()
+        pass_savings = Savings(
+            calls=now.calls - before.calls,
+            input_tokens=now.input_tokens - before.input_tokens,
+            output_tokens=now.output_tokens - before.output_tokens,
+        )
+        try:
+            await self.store.release(lease, savings=pass_savings)
+        except AsientoError as exc:  # never hide the error that ended the body
+            log.warning("run %r: could not release the lease: %s", self.run_id, exc)

@@ -6,7 +6,7 @@ from __future__ import annotations
 APPLICATION_ID = 0x41534E54
 
 MIGRATIONS: tuple[str, ...] = (
-    # 1: the journal and the run index.
+    # 1: the journal, and the run index with leases and the paid-call ledger.
     """
     CREATE TABLE journal (
         run_id     TEXT NOT NULL,
@@ -18,11 +18,24 @@ MIGRATIONS: tuple[str, ...] = (
         PRIMARY KEY (run_id, step_id, phase)
     );
     CREATE TABLE runs (
-        run_id     TEXT PRIMARY KEY,
-        status     TEXT NOT NULL,
-        events     INTEGER NOT NULL,
-        created_at REAL NOT NULL,
-        updated_at REAL NOT NULL
+        run_id              TEXT PRIMARY KEY,
+        status              TEXT NOT NULL,
+        events              INTEGER NOT NULL,
+        created_at          REAL NOT NULL,
+        updated_at          REAL NOT NULL,
+        lease_owner         TEXT,
+        lease_host          TEXT,
+        lease_pid           INTEGER,
+        lease_started       TEXT,
+        lease_expires       REAL,
+        lease_ttl           REAL,
+        fence               INTEGER NOT NULL DEFAULT 0,
+        model_calls         INTEGER NOT NULL DEFAULT 0,
+        input_tokens        INTEGER NOT NULL DEFAULT 0,
+        output_tokens       INTEGER NOT NULL DEFAULT 0,
+        replayed_calls      INTEGER NOT NULL DEFAULT 0,
+        saved_input_tokens  INTEGER NOT NULL DEFAULT 0,
+        saved_output_tokens INTEGER NOT NULL DEFAULT 0
     );
     CREATE INDEX runs_by_status ON runs (status, updated_at);
     """,

@@ -10,19 +10,41 @@ import json
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from ..errors import JournalCorrupt, UsageError
-from ..events import Decision, Phase, RunInfo, RunStatus, StepEvent
+from ..errors import JournalCorrupt, LeaseLost, RunLocked, UsageError
+from ..events import Decision, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
+from ..lease import Holder, is_dead_here
 
 
 @runtime_checkable
 class Checkpointer(Protocol):
     """The journal of runs. ``append`` is atomic: all of a batch is recorded, or none."""
 
-    async def append(self, *events: StepEvent, status: RunStatus | None = None) -> None:
+    async def append(
+        self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
+    ) -> None:
         """Record ``events`` (one run) in one transaction, and set the run's status.
 
-        Raises ``DuplicateRecord`` if any ``(run_id, step_id, phase)`` is taken.
+        Raises ``DuplicateRecord`` if any ``(run_id, step_id, phase)`` is taken. With
+        ``lease`` (the loop's appends), the lease is checked in the same transaction:
+        a token that is no longer current, or an expired lease, raises ``LeaseLost``
+        and nothing is written; a current one is extended.
         """
+        ...
+
+    async def acquire(self, run_id: str, holder: Holder, *, ttl: float) -> Lease:
+        """Take the run's lease, or raise ``RunLocked`` naming the live holder.
+
+        A free or expired lease, or one whose holder is provably dead on this
+        host, is taken over and the fencing token grows.
+        """
+        ...
+
+    async def renew(self, lease: Lease, *, ttl: float) -> Lease:
+        """Extend a current lease, or raise ``LeaseLost``."""
+        ...
+
+    async def release(self, lease: Lease, *, savings: Savings | None = None) -> None:
+        """Give the lease up (if still held) and add what the pass did not pay again."""
         ...
 
     async def load(self, run_id: str) -> list[StepEvent]:
@@ -51,6 +73,75 @@ class Checkpointer(Protocol):
 
 
 Row = tuple[str, str, str, str | None, str, float]
+
+
+def may_take(
+    *,
+    owner: str | None,
+    host: str | None,
+    pid: int | None,
+    started: str | None,
+    expires: float | None,
+    holder: Holder,
+    now: float,
+) -> bool:
+    """Whether ``holder`` may take a lease currently recorded as the given one."""
+    if owner is None or owner == holder.owner or expires is None or expires < now:
+        return True
+    return is_dead_here(host, pid, started)
+
+
+def run_locked(
+    run_id: str, host: str | None, pid: int | None, expires: float, now: float
+) -> RunLocked:
+    return RunLocked(
+        f"run {run_id!r} is being driven by another session (pid {pid} on {host}); its lease "
+        f"expires in {max(0.0, expires - now):.1f}s. Wait for it, or pass Session(wait=...)"
+    )
+
+
+def lease_lost(lease: Lease) -> LeaseLost:
+    return LeaseLost(
+        f"run {lease.run_id!r}: this session's lease (token {lease.token}) expired or was "
+        "taken over by another session; nothing was written. Resume with a new Session"
+    )
+
+
+_RUN_FIELDS = (
+    "run_id",
+    "status",
+    "events",
+    "created_at",
+    "updated_at",
+    "lease_owner",
+    "lease_expires",
+    "fence",
+    "model_calls",
+    "input_tokens",
+    "output_tokens",
+    "replayed_calls",
+    "saved_input_tokens",
+    "saved_output_tokens",
+)
+
+
+def run_info(row: Sequence[Any]) -> RunInfo:
+    """A row of the run index (columns in RunInfo's order) as a ``RunInfo``."""
+    values = dict(zip(_RUN_FIELDS, row, strict=True))
+    values["status"] = RunStatus(values["status"])
+    return RunInfo(**values)
+
+
+def usage_of(events: Sequence[StepEvent]) -> tuple[int, int, int]:
+    """Model calls and tokens paid, read from the model results in a batch."""
+    calls = inp = out = 0
+    for event in events:
+        response = event.payload.get("response") if event.phase == Phase.RESULT else None
+        if isinstance(response, dict):
+            calls += 1
+            usage = response.get("usage", (0, 0))
+            inp, out = inp + int(usage[0]), out + int(usage[1])
+    return calls, inp, out
 
 
 def encode_batch(events: Sequence[StepEvent]) -> tuple[str, list[Row]]:

@@ -2,40 +2,115 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from ..errors import DuplicateRecord, UsageError
-from ..events import FINAL_STEP_ID, Phase, RunInfo, RunStatus, StepEvent
-from .base import decode_row, encode_batch
+from ..events import FINAL_STEP_ID, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
+from ..lease import Holder
+from .base import decode_row, encode_batch, lease_lost, may_take, run_locked, usage_of
+
+_Row = tuple[str, str, str | None, str, float]
+
+
+@dataclasses.dataclass(slots=True)
+class _Holding:
+    host: str
+    pid: int
+    started: str
+    ttl: float
 
 
 class MemoryCheckpointer:
     """In-process journal with the same semantics as the durable ones."""
 
     def __init__(self) -> None:
-        self._rows: dict[str, list[tuple[str, str, str | None, str, float]]] = {}
+        self._rows: dict[str, list[_Row]] = {}
         self._keys: set[tuple[str, str, str]] = set()
         self._runs: dict[str, RunInfo] = {}
+        self._holders: dict[str, _Holding] = {}
 
-    async def append(self, *events: StepEvent, status: RunStatus | None = None) -> None:
+    async def append(
+        self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
+    ) -> None:
         run_id, rows = encode_batch(events)
+        if lease is not None:
+            self._check_lease(lease)
         for _, step_id, phase, *_ in rows:
             if (run_id, step_id, phase) in self._keys:
                 raise DuplicateRecord(run_id, step_id, phase)
         for _, step_id, phase, decision, payload, created in rows:
             self._keys.add((run_id, step_id, phase))
             self._rows.setdefault(run_id, []).append((step_id, phase, decision, payload, created))
-        self._touch(run_id, status, len(rows))
+        calls, inp, out = usage_of(events)
+        info = self._info(run_id)
+        self._runs[run_id] = dataclasses.replace(
+            info,
+            status=status or info.status,
+            events=info.events + len(rows),
+            updated_at=time.time(),
+            model_calls=info.model_calls + calls,
+            input_tokens=info.input_tokens + inp,
+            output_tokens=info.output_tokens + out,
+        )
 
-    def _touch(self, run_id: str, status: RunStatus | None, added: int) -> None:
+    def _info(self, run_id: str) -> RunInfo:
         now = time.time()
-        old = self._runs.get(run_id)
-        self._runs[run_id] = RunInfo(
-            run_id=run_id,
-            status=status or (old.status if old else RunStatus.RUNNING),
-            events=(old.events if old else 0) + added,
-            created_at=old.created_at if old else now,
-            updated_at=now,
+        return self._runs.get(run_id) or RunInfo(
+            run_id=run_id, status=RunStatus.RUNNING, events=0, created_at=now, updated_at=now
+        )
+
+    def _check_lease(self, lease: Lease) -> None:
+        info, holding, now = (
+            self._runs.get(lease.run_id),
+            self._holders.get(lease.run_id),
+            time.time(),
+        )
+        if info is None or holding is None or info.fence != lease.token:
+            raise lease_lost(lease)
+        if info.lease_owner != lease.owner or (info.lease_expires or 0) < now:
+            raise lease_lost(lease)
+        self._runs[lease.run_id] = dataclasses.replace(info, lease_expires=now + holding.ttl)
+
+    async def acquire(self, run_id: str, holder: Holder, *, ttl: float) -> Lease:
+        info, now = self._info(run_id), time.time()
+        held = self._holders.get(run_id)
+        host, pid = (held.host, held.pid) if held else (None, None)
+        if not may_take(
+            owner=info.lease_owner,
+            host=host,
+            pid=pid,
+            started=held.started if held else None,
+            expires=info.lease_expires,
+            holder=holder,
+            now=now,
+        ):
+            raise run_locked(run_id, host, pid, info.lease_expires or 0, now)
+        self._holders[run_id] = _Holding(holder.host, holder.pid, holder.started, ttl)
+        token = info.fence + 1
+        self._runs[run_id] = dataclasses.replace(
+            info, lease_owner=holder.owner, lease_expires=now + ttl, fence=token
+        )
+        return Lease(run_id=run_id, token=token, owner=holder.owner, expires=now + ttl)
+
+    async def renew(self, lease: Lease, *, ttl: float) -> Lease:
+        if lease.run_id in self._holders:
+            self._holders[lease.run_id].ttl = ttl
+        self._check_lease(lease)
+        expires = time.time() + ttl
+        return Lease(run_id=lease.run_id, token=lease.token, owner=lease.owner, expires=expires)
+
+    async def release(self, lease: Lease, *, savings: Savings | None = None) -> None:
+        info, saved = self._runs.get(lease.run_id), savings or Savings()
+        if info is None or info.fence != lease.token or info.lease_owner != lease.owner:
+            return
+        self._runs[lease.run_id] = dataclasses.replace(
+            info,
+            lease_owner=None,
+            lease_expires=None,
+            replayed_calls=info.replayed_calls + saved.calls,
+            saved_input_tokens=info.saved_input_tokens + saved.input_tokens,
+            saved_output_tokens=info.saved_output_tokens + saved.output_tokens,
         )
 
     async def load(self, run_id: str) -> list[StepEvent]:
@@ -53,7 +128,8 @@ class MemoryCheckpointer:
     async def set_status(self, run_id: str, status: RunStatus) -> None:
         if run_id not in self._runs:
             raise UsageError(f"unknown run {run_id!r}")
-        self._touch(run_id, status, 0)
+        info = self._runs[run_id]
+        self._runs[run_id] = dataclasses.replace(info, status=status, updated_at=time.time())
 
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
         return [r for r in self._runs.values() if status is None or r.status == status]

@@ -24,22 +24,44 @@ from ..errors import (
     NotAJournal,
     UsageError,
 )
-from ..events import FINAL_STEP_ID, Phase, RunInfo, RunStatus, StepEvent
+from ..events import FINAL_STEP_ID, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
+from ..lease import Holder
 from ._sqlite_schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION
-from .base import decode_row, encode_batch
+from .base import (
+    decode_row,
+    encode_batch,
+    lease_lost,
+    may_take,
+    run_info,
+    run_locked,
+    usage_of,
+)
 
 Durability = Literal["full", "process"]
 
 _SYNCHRONOUS = {"full": "FULL", "process": "NORMAL"}
 
 _UPSERT_RUN = """
-INSERT INTO runs (run_id, status, events, created_at, updated_at)
-VALUES (:run_id, coalesce(:status, 'running'), :added, :now, :now)
+INSERT INTO runs (run_id, status, events, created_at, updated_at,
+                  model_calls, input_tokens, output_tokens)
+VALUES (:run_id, coalesce(:status, 'running'), :added, :now, :now, :calls, :inp, :out)
 ON CONFLICT (run_id) DO UPDATE SET
     status = coalesce(:status, runs.status),
     events = runs.events + :added,
-    updated_at = :now
+    updated_at = :now,
+    model_calls = runs.model_calls + :calls,
+    input_tokens = runs.input_tokens + :inp,
+    output_tokens = runs.output_tokens + :out
 """
+
+_CHECK_LEASE = """
+UPDATE runs SET lease_expires = :now + lease_ttl
+WHERE run_id = :run_id AND fence = :token AND lease_owner = :owner AND lease_expires >= :now
+"""
+
+_RUN_COLUMNS = """run_id, status, events, created_at, updated_at, lease_owner, lease_expires,
+fence, model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
+saved_output_tokens"""
 
 
 class SqliteCheckpointer:
@@ -67,20 +89,90 @@ class SqliteCheckpointer:
             self._db.close()
             raise
 
-    async def append(self, *events: StepEvent, status: RunStatus | None = None) -> None:
+    async def append(
+        self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
+    ) -> None:
         run_id, rows = encode_batch(events)
         with self._errors(), self._transaction():
+            if lease is not None:
+                self._check_lease(lease)
             for row in rows:
                 try:
                     self._db.execute("INSERT INTO journal VALUES (?, ?, ?, ?, ?, ?)", row)
                 except sqlite3.IntegrityError:
                     raise DuplicateRecord(run_id, row[1], row[2]) from None
-            self._touch(run_id, status, len(rows))
+            calls, inp, out = usage_of(events)
+            params = {"run_id": run_id, "status": status, "added": len(rows), "now": time.time()}
+            self._db.execute(_UPSERT_RUN, {**params, "calls": calls, "inp": inp, "out": out})
             crash_point("inside_commit")
 
-    def _touch(self, run_id: str, status: RunStatus | None, added: int) -> None:
-        params = {"run_id": run_id, "status": status, "added": added, "now": time.time()}
-        self._db.execute(_UPSERT_RUN, params)
+    def _check_lease(self, lease: Lease) -> None:
+        params = {"run_id": lease.run_id, "token": lease.token, "owner": lease.owner}
+        if self._db.execute(_CHECK_LEASE, {**params, "now": time.time()}).rowcount == 0:
+            raise lease_lost(lease)
+
+    async def acquire(self, run_id: str, holder: Holder, *, ttl: float) -> Lease:
+        sql = (
+            "SELECT lease_owner, lease_host, lease_pid, lease_started, lease_expires, fence"
+            " FROM runs WHERE run_id = ?"
+        )
+        now = time.time()
+        with self._errors(), self._transaction():
+            row = self._db.execute(sql, (run_id,)).fetchone()
+            if row is None:
+                self._db.execute(
+                    "INSERT INTO runs (run_id, status, events, created_at, updated_at)"
+                    " VALUES (?, 'running', 0, ?, ?)",
+                    (run_id, now, now),
+                )
+                row = (None, None, None, None, None, 0)
+            owner, host, pid, started, expires, fence = row
+            current = {"owner": owner, "host": host, "pid": pid, "started": started}
+            if not may_take(**current, expires=expires, holder=holder, now=now):
+                raise run_locked(run_id, host, pid, expires, now)
+            self._db.execute(
+                "UPDATE runs SET lease_owner = ?, lease_host = ?, lease_pid = ?,"
+                " lease_started = ?, lease_expires = ?, lease_ttl = ?, fence = ? WHERE run_id = ?",
+                (
+                    holder.owner,
+                    holder.host,
+                    holder.pid,
+                    holder.started,
+                    now + ttl,
+                    ttl,
+                    fence + 1,
+                    run_id,
+                ),
+            )
+        return Lease(run_id=run_id, token=fence + 1, owner=holder.owner, expires=now + ttl)
+
+    async def renew(self, lease: Lease, *, ttl: float) -> Lease:
+        now = time.time()
+        with self._errors(), self._transaction():
+            self._db.execute(
+                "UPDATE runs SET lease_ttl = ? WHERE run_id = ? AND fence = ?",
+                (ttl, lease.run_id, lease.token),
+            )
+            self._check_lease(lease)
+        return Lease(run_id=lease.run_id, token=lease.token, owner=lease.owner, expires=now + ttl)
+
+    async def release(self, lease: Lease, *, savings: Savings | None = None) -> None:
+        saved = savings or Savings()
+        with self._errors(), self._transaction():
+            self._db.execute(
+                "UPDATE runs SET lease_owner = NULL, lease_expires = NULL,"
+                " replayed_calls = replayed_calls + ?, saved_input_tokens = saved_input_tokens + ?,"
+                " saved_output_tokens = saved_output_tokens + ?"
+                " WHERE run_id = ? AND fence = ? AND lease_owner = ?",
+                (
+                    saved.calls,
+                    saved.input_tokens,
+                    saved.output_tokens,
+                    lease.run_id,
+                    lease.token,
+                    lease.owner,
+                ),
+            )
 
     async def load(self, run_id: str) -> list[StepEvent]:
         sql = (
@@ -119,18 +211,13 @@ class SqliteCheckpointer:
                 raise UsageError(f"unknown run {run_id!r} in {self.path}")
 
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
-        sql = "SELECT run_id, status, events, created_at, updated_at FROM runs"
+        sql = f"SELECT {_RUN_COLUMNS} FROM runs"
         args: tuple[str, ...] = ()
         if status is not None:
             sql, args = sql + " WHERE status = ?", (RunStatus(status).value,)
         with self._errors():
             rows = self._db.execute(sql + " ORDER BY created_at, run_id", args).fetchall()
-        return [
-            RunInfo(
-                run_id=r[0], status=RunStatus(r[1]), events=r[2], created_at=r[3], updated_at=r[4]
-            )
-            for r in rows
-        ]
+        return [run_info(row) for row in rows]
 
     async def close(self) -> None:
         self._db.close()
