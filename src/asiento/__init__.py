@@ -39,6 +39,7 @@ from .lease import Holder
 from .model import Gateway, Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
 from .policy import Policy, allow_all, require_approval_for
 from .session import RunStats, Session
+from .shutdown import ShutdownRequested
 from .tools import Tool, tool
 
 __version__ = "0.1.0"
@@ -77,6 +78,7 @@ __all__ = [
     "RunStatus",
     "Savings",
     "Session",
+    "ShutdownRequested",
     "SqliteCheckpointer",
     "Step",
     "StepEvent",

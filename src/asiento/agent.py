@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic_core import to_jsonable_python
 
+from . import shutdown
 from ._canonical import FingerprintChain, canonical_json, fingerprint, idem_key
 from ._crash import crash_point
 from .effects.base import Effect, EffectRejected, Published, Reconcile, reconcile
@@ -128,6 +129,7 @@ class _Pass:
         self._add(Message(role="user", content=self.task))
         for turn in range(1, self.agent.max_turns + 1):
             step_id = f"m{turn}"
+            await self._boundary()
             response = await self._model_step(step_id)
             if not response.tool_calls:
                 await self._close(step_id, response)
@@ -135,6 +137,7 @@ class _Pass:
                     yield step
                 return
             for index, call in enumerate(response.tool_calls, 1):
+                await self._boundary()
                 go_on = await self._tool_step(f"{step_id}.t{index}", call)
                 for step in self._drain():
                     yield step
@@ -146,6 +149,16 @@ class _Pass:
         raise MaxTurnsExceeded(
             f"run {self.run_id!r}: the model still asked for tools after "
             f"{self.agent.max_turns} turns; raise Agent(max_turns=...) to let it go on"
+        )
+
+    async def _boundary(self) -> None:
+        """Between two steps: stop here if a shutdown was requested, with nothing lost."""
+        if not shutdown.requested():
+            return
+        await self._flush()
+        raise shutdown.ShutdownRequested(
+            f"run {self.run_id!r} stopped between steps because a shutdown was requested; "
+            "every finished step is recorded and the run is resumable"
         )
 
     # -- model steps ---------------------------------------------------------------
