@@ -111,21 +111,27 @@ class _Pass:
     async def steps(self) -> AsyncIterator[Step]:
         final = await self.store.final(self.run_id)
         if final is not None:
-            yield FinalStep(
-                run_id=self.run_id,
-                step_id=final.payload["step"],
-                text=final.payload["text"],
-                replayed=True,
-            )
+            yield self._closed(final)
             return
         async with self.session.driving() as lease:
             self.lease = lease
             async for step in self._walk():
                 yield step
 
+    def _closed(self, final: StepEvent) -> FinalStep:
+        """A closed run answers with its recorded final step, and nothing else happens."""
+        payload = final.payload
+        return FinalStep(
+            run_id=self.run_id, step_id=payload["step"], text=payload["text"], replayed=True
+        )
+
     async def _walk(self) -> AsyncIterator[Step]:
         """Replay what the journal holds, then do what is missing, step by step."""
         self.journal = _index(await self.store.load(self.run_id))
+        final = self.journal.get(FINAL_STEP_ID, {}).get(Phase.RESULT)
+        if final is not None:  # closed by the session we waited for
+            yield self._closed(final)
+            return
         self._add(Message(role="user", content=self.task))
         for turn in range(1, self.agent.max_turns + 1):
             step_id = f"m{turn}"
