@@ -21,6 +21,7 @@ from .errors import (
 )
 from .events import (
     ApprovalStep,
+    Claim,
     Decision,
     FinalStep,
     Lease,
@@ -41,15 +42,18 @@ from .policy import Policy, allow_all, require_approval_for
 from .session import RunStats, Session
 from .shutdown import ShutdownRequested
 from .tools import Tool, tool
+from .worker import App, Worker, submit
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Agent",
+    "App",
     "ApprovalError",
     "ApprovalStep",
     "AsientoError",
     "Checkpointer",
+    "Claim",
     "Decision",
     "DuplicateRecord",
     "FinalStep",
@@ -89,6 +93,7 @@ __all__ = [
     "UncertainEffect",
     "Usage",
     "UsageError",
+    "Worker",
     "__version__",
     "allow_all",
     "approve",
@@ -97,5 +102,6 @@ __all__ = [
     "model_key",
     "require_approval_for",
     "resolve",
+    "submit",
     "tool",
 ]

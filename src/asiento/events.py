@@ -45,6 +45,7 @@ class RunStatus(StrEnum):
     SUSPENDED = "suspended"
     UNCERTAIN = "uncertain"
     CLOSED = "closed"
+    PARKED = "parked"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,6 +78,20 @@ class RunInfo:
     replayed_calls: int = 0
     saved_input_tokens: int = 0
     saved_output_tokens: int = 0
+    task: str | None = None
+    agent: str | None = None
+    attempts: int = 0
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Claim:
+    """A submitted run a worker claimed: its lease, its task and which agent drives it."""
+
+    lease: Lease
+    task: str
+    agent: str
+    attempts: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

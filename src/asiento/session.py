@@ -17,6 +17,9 @@ from .model import Gateway
 
 log = logging.getLogger("asiento")
 
+# What the loop calls on its journal; the harness and workers use the rest.
+_LOOP_NEEDS = ("append", "load", "final", "set_status", "acquire", "renew", "release")
+
 
 @dataclass(slots=True)
 class RunStats:
@@ -45,6 +48,7 @@ class Session:
     A second session on a run that is held fails fast with ``RunLocked`` naming
     the holder, or waits up to ``wait`` seconds for it. The lease lasts
     ``lease_ttl`` seconds and is renewed while the session drives the run.
+    ``lease`` is one a worker already claimed for this run.
     """
 
     def __init__(
@@ -55,14 +59,18 @@ class Session:
         *,
         lease_ttl: float = 30.0,
         wait: float = 0.0,
+        lease: Lease | None = None,
     ) -> None:
         self.run_id = check_id("run_id", run_id)
         if not callable(getattr(gateway, "complete", None)):
             raise UsageError(
                 f"gateway {gateway!r} has no complete(request, *, idempotency_key) coroutine"
             )
-        if not isinstance(store, Checkpointer):
-            raise UsageError(f"store {store!r} does not implement the Checkpointer protocol")
+        missing = [m for m in _LOOP_NEEDS if not callable(getattr(store, m, None))]
+        if missing:
+            raise UsageError(
+                f"store {store!r} is not a Checkpointer: it lacks {', '.join(missing)}"
+            )
         if not lease_ttl > 0 or wait < 0:
             raise UsageError("Session(lease_ttl=...) must be > 0 and wait=... >= 0 seconds")
         self.gateway = gateway
@@ -71,6 +79,9 @@ class Session:
         self.wait = wait
         self.holder = Holder.here()
         self.stats = RunStats()
+        if lease is not None and lease.run_id != self.run_id:
+            raise UsageError(f"Session(lease=...) holds run {lease.run_id!r}, not {self.run_id!r}")
+        self._claimed = lease
 
     def __repr__(self) -> str:
         return f"Session(run_id={self.run_id!r})"
@@ -90,6 +101,9 @@ class Session:
             await self._release(lease, before)
 
     async def _acquire(self) -> Lease:
+        if self._claimed is not None:  # a worker claimed the run for this session
+            lease, self._claimed = self._claimed, None
+            return lease
         deadline = time.monotonic() + self.wait
         while True:
             try:

@@ -35,7 +35,11 @@ MIGRATIONS: tuple[str, ...] = (
         output_tokens       INTEGER NOT NULL DEFAULT 0,
         replayed_calls      INTEGER NOT NULL DEFAULT 0,
         saved_input_tokens  INTEGER NOT NULL DEFAULT 0,
-        saved_output_tokens INTEGER NOT NULL DEFAULT 0
+        saved_output_tokens INTEGER NOT NULL DEFAULT 0,
+        task                TEXT,
+        agent               TEXT,
+        attempts            INTEGER NOT NULL DEFAULT 0,
+        reason              TEXT
     );
     CREATE INDEX runs_by_status ON runs (status, updated_at);
     """,

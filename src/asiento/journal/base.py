@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import JournalCorrupt, LeaseLost, RunLocked, UsageError
-from ..events import Decision, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
+from ..events import Claim, Decision, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder, is_dead_here
 
 
@@ -59,8 +59,23 @@ class Checkpointer(Protocol):
         """The run's final record if it is closed: one read, not the whole journal."""
         ...
 
-    async def set_status(self, run_id: str, status: RunStatus) -> None:
-        """Mark a known run (uncertain, for example) without writing a step."""
+    async def set_status(
+        self, run_id: str, status: RunStatus, *, reason: str | None = None
+    ) -> None:
+        """Mark a known run (uncertain, parked...) without writing a step; note why."""
+        ...
+
+    async def submit(self, run_id: str, task: str, *, agent: str = "default") -> None:
+        """Queue a new run for the workers; ``UsageError`` if the run id is taken."""
+        ...
+
+    async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
+        """Take the lease of one submitted run that needs work, or None.
+
+        Needs work: status running, with no live lease. A run claimed
+        ``max_attempts`` times without reaching a stable state (closed,
+        suspended, uncertain) is parked instead, with the reason recorded.
+        """
         ...
 
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
@@ -122,7 +137,18 @@ _RUN_FIELDS = (
     "replayed_calls",
     "saved_input_tokens",
     "saved_output_tokens",
+    "task",
+    "agent",
+    "attempts",
+    "reason",
 )
+
+STABLE = (RunStatus.CLOSED, RunStatus.SUSPENDED, RunStatus.UNCERTAIN)
+
+
+def parked_reason(attempts: int, last: str | None) -> str:
+    why = f"; last failure: {last}" if last else " (its workers died without a word)"
+    return f"parked after {attempts} claims without reaching a stable state{why}"
 
 
 def run_info(row: Sequence[Any]) -> RunInfo:

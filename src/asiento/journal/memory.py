@@ -6,9 +6,19 @@ import dataclasses
 import time
 
 from ..errors import DuplicateRecord, UsageError
-from ..events import FINAL_STEP_ID, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
+from ..events import FINAL_STEP_ID, Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
-from .base import decode_row, encode_batch, lease_lost, may_take, run_locked, usage_of
+from .base import (
+    STABLE,
+    check_id,
+    decode_row,
+    encode_batch,
+    lease_lost,
+    may_take,
+    parked_reason,
+    run_locked,
+    usage_of,
+)
 
 _Row = tuple[str, str, str | None, str, float]
 
@@ -47,6 +57,7 @@ class MemoryCheckpointer:
         self._runs[run_id] = dataclasses.replace(
             info,
             status=status or info.status,
+            attempts=0 if status in STABLE else info.attempts,
             events=info.events + len(rows),
             updated_at=time.time(),
             model_calls=info.model_calls + calls,
@@ -125,11 +136,38 @@ class MemoryCheckpointer:
         events = await self.load_step(run_id, FINAL_STEP_ID)
         return next(e for e in events if e.phase == Phase.RESULT)
 
-    async def set_status(self, run_id: str, status: RunStatus) -> None:
+    async def set_status(
+        self, run_id: str, status: RunStatus, *, reason: str | None = None
+    ) -> None:
         if run_id not in self._runs:
             raise UsageError(f"unknown run {run_id!r}")
         info = self._runs[run_id]
-        self._runs[run_id] = dataclasses.replace(info, status=status, updated_at=time.time())
+        self._runs[run_id] = dataclasses.replace(
+            info, status=RunStatus(status), updated_at=time.time(), reason=reason or info.reason
+        )
+
+    async def submit(self, run_id: str, task: str, *, agent: str = "default") -> None:
+        check_id("run_id", run_id)
+        if run_id in self._runs:
+            raise UsageError(f"run {run_id!r} already exists")
+        self._runs[run_id] = dataclasses.replace(self._info(run_id), task=task, agent=agent)
+
+    async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
+        now = time.time()
+        for info in sorted(self._runs.values(), key=lambda r: (r.updated_at, r.run_id)):
+            free = info.lease_owner is None or (info.lease_expires or 0) < now
+            if info.status != RunStatus.RUNNING or info.task is None or not free:
+                continue
+            if info.attempts >= max_attempts:
+                reason = parked_reason(info.attempts, info.reason)
+                await self.set_status(info.run_id, RunStatus.PARKED, reason=reason)
+                continue
+            lease = await self.acquire(info.run_id, holder, ttl=ttl)
+            taken = self._runs[info.run_id]
+            self._runs[info.run_id] = dataclasses.replace(taken, attempts=taken.attempts + 1)
+            agent = info.agent or "default"
+            return Claim(lease=lease, task=info.task, agent=agent, attempts=info.attempts + 1)
+        return None
 
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
         return [r for r in self._runs.values() if status is None or r.status == status]

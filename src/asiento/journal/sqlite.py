@@ -24,14 +24,16 @@ from ..errors import (
     NotAJournal,
     UsageError,
 )
-from ..events import FINAL_STEP_ID, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
+from ..events import FINAL_STEP_ID, Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
 from ._sqlite_schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION
 from .base import (
+    check_id,
     decode_row,
     encode_batch,
     lease_lost,
     may_take,
+    parked_reason,
     run_info,
     run_locked,
     usage_of,
@@ -40,6 +42,9 @@ from .base import (
 Durability = Literal["full", "process"]
 
 _SYNCHRONOUS = {"full": "FULL", "process": "NORMAL"}
+
+# How many runs one claim may park before it gives up for this call.
+_MAX_PARKED_PER_CLAIM = 100
 
 _UPSERT_RUN = """
 INSERT INTO runs (run_id, status, events, created_at, updated_at,
@@ -51,7 +56,9 @@ ON CONFLICT (run_id) DO UPDATE SET
     updated_at = :now,
     model_calls = runs.model_calls + :calls,
     input_tokens = runs.input_tokens + :inp,
-    output_tokens = runs.output_tokens + :out
+    output_tokens = runs.output_tokens + :out,
+    attempts = CASE WHEN :status IN ('closed', 'suspended', 'uncertain') THEN 0
+                    ELSE runs.attempts END
 """
 
 _CHECK_LEASE = """
@@ -61,7 +68,14 @@ WHERE run_id = :run_id AND fence = :token AND lease_owner = :owner AND lease_exp
 
 _RUN_COLUMNS = """run_id, status, events, created_at, updated_at, lease_owner, lease_expires,
 fence, model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
-saved_output_tokens"""
+saved_output_tokens, task, agent, attempts, reason"""
+
+_CLAIMABLE = """
+SELECT run_id, task, agent, attempts, reason, fence FROM runs
+WHERE status = 'running' AND task IS NOT NULL
+  AND (lease_owner IS NULL OR lease_expires < :now)
+ORDER BY updated_at, run_id LIMIT 1
+"""
 
 
 class SqliteCheckpointer:
@@ -130,21 +144,24 @@ class SqliteCheckpointer:
             current = {"owner": owner, "host": host, "pid": pid, "started": started}
             if not may_take(**current, expires=expires, holder=holder, now=now):
                 raise run_locked(run_id, host, pid, expires, now)
-            self._db.execute(
-                "UPDATE runs SET lease_owner = ?, lease_host = ?, lease_pid = ?,"
-                " lease_started = ?, lease_expires = ?, lease_ttl = ?, fence = ? WHERE run_id = ?",
-                (
-                    holder.owner,
-                    holder.host,
-                    holder.pid,
-                    holder.started,
-                    now + ttl,
-                    ttl,
-                    fence + 1,
-                    run_id,
-                ),
-            )
+            self._take(run_id, holder, ttl, fence, now)
         return Lease(run_id=run_id, token=fence + 1, owner=holder.owner, expires=now + ttl)
+
+    def _take(self, run_id: str, holder: Holder, ttl: float, fence: int, now: float) -> None:
+        self._db.execute(
+            "UPDATE runs SET lease_owner = ?, lease_host = ?, lease_pid = ?, lease_started = ?,"
+            " lease_expires = ?, lease_ttl = ?, fence = ? WHERE run_id = ?",
+            (
+                holder.owner,
+                holder.host,
+                holder.pid,
+                holder.started,
+                now + ttl,
+                ttl,
+                fence + 1,
+                run_id,
+            ),
+        )
 
     async def renew(self, lease: Lease, *, ttl: float) -> Lease:
         now = time.time()
@@ -201,14 +218,53 @@ class SqliteCheckpointer:
             row = self._db.execute(sql, (run_id, FINAL_STEP_ID, Phase.RESULT.value)).fetchone()
         return None if row is None else decode_row(run_id, row)
 
-    async def set_status(self, run_id: str, status: RunStatus) -> None:
+    async def set_status(
+        self, run_id: str, status: RunStatus, *, reason: str | None = None
+    ) -> None:
         with self._errors(), self._transaction():
             cur = self._db.execute(
-                "UPDATE runs SET status = ?, updated_at = ? WHERE run_id = ?",
-                (status.value, time.time(), run_id),
+                "UPDATE runs SET status = ?, updated_at = ?, reason = coalesce(?, reason)"
+                " WHERE run_id = ?",
+                (RunStatus(status).value, time.time(), reason, run_id),
             )
             if cur.rowcount == 0:
                 raise UsageError(f"unknown run {run_id!r} in {self.path}")
+
+    async def submit(self, run_id: str, task: str, *, agent: str = "default") -> None:
+        check_id("run_id", run_id)
+        now = time.time()
+        with self._errors(), self._transaction():
+            try:
+                self._db.execute(
+                    "INSERT INTO runs (run_id, status, events, created_at, updated_at, task, agent)"
+                    " VALUES (?, 'running', 0, ?, ?, ?, ?)",
+                    (run_id, now, now, task, agent),
+                )
+            except sqlite3.IntegrityError:
+                raise UsageError(f"run {run_id!r} already exists in {self.path}") from None
+
+    async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
+        with self._errors(), self._transaction():
+            for _ in range(_MAX_PARKED_PER_CLAIM):
+                now = time.time()
+                row = self._db.execute(_CLAIMABLE, {"now": now}).fetchone()
+                if row is None:
+                    return None
+                run_id, task, agent, attempts, reason, fence = row
+                if attempts >= max_attempts:
+                    self._db.execute(
+                        "UPDATE runs SET status = 'parked', reason = ?, updated_at = ?"
+                        " WHERE run_id = ?",
+                        (parked_reason(attempts, reason), now, run_id),
+                    )
+                    continue
+                self._take(run_id, holder, ttl, fence, now)
+                self._db.execute(
+                    "UPDATE runs SET attempts = attempts + 1 WHERE run_id = ?", (run_id,)
+                )
+                lease = Lease(run_id=run_id, token=fence + 1, owner=holder.owner, expires=now + ttl)
+                return Claim(lease=lease, task=task, agent=agent, attempts=attempts + 1)
+        return None
 
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
         sql = f"SELECT {_RUN_COLUMNS} FROM runs"

@@ -1,0 +1,136 @@
+"""Workers: claim submitted runs that need work and drive them, one lease at a time.
+
+Submit a run with ``submit(store, run_id, task, agent=...)``; any number of
+worker processes on any number of machines pointed at the same store drive
+the runs. A run whose worker died is claimed again once its lease expires; a
+run that keeps crashing its workers is parked with the reason recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from . import shutdown
+from .agent import Agent
+from .errors import LeaseLost, UncertainEffect, UsageError
+from .events import Claim, RunStatus
+from .journal.base import Checkpointer
+from .lease import Holder
+from .model import Gateway
+from .session import Session
+
+log = logging.getLogger("asiento.worker")
+
+
+async def submit(store: Checkpointer, run_id: str, task: str, *, agent: str = "default") -> None:
+    """Queue a run for the workers; ``agent`` names which of the app's agents drives it."""
+    if not isinstance(task, str):
+        raise UsageError("submit(task=...) must be a str")
+    await store.submit(run_id, task, agent=agent)
+
+
+@dataclass(slots=True)
+class App:
+    """What a worker needs: the agents by name, and how to reach the model."""
+
+    agents: Mapping[str, Agent]
+    gateway: Gateway | Callable[[], Gateway]
+    lease_ttl: float = 30.0
+    max_attempts: int = 5
+
+    def gateway_for(self) -> Gateway:
+        """The gateway itself, or a new one from its factory (one per run driven)."""
+        return self.gateway if isinstance(self.gateway, Gateway) else self.gateway()
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """What a worker did, for its logs and for tests."""
+
+    claimed: int = 0
+    closed: int = 0
+    suspended: int = 0
+    uncertain: int = 0
+    failed: int = 0
+    runs: list[str] = field(default_factory=list)
+
+
+class Worker:
+    """Claims runs from ``store`` and drives them with ``app``'s agents."""
+
+    def __init__(self, store: Checkpointer, app: App, *, poll: float = 0.5) -> None:
+        self.store, self.app, self.poll = store, app, poll
+        self.holder = Holder.here()
+        self.stats = WorkerStats()
+
+    async def run_once(self) -> bool:
+        """Claim one run and drive it until it ends or needs a person; False if none needed work."""
+        claim = await self.store.claim(
+            self.holder, ttl=self.app.lease_ttl, max_attempts=self.app.max_attempts
+        )
+        if claim is None:
+            return False
+        self.stats.claimed += 1
+        self.stats.runs.append(claim.lease.run_id)
+        await self._drive(claim)
+        return True
+
+    async def run(self, *, until_idle: bool = False, max_seconds: float | None = None) -> None:
+        """Work until a shutdown is requested (or, with ``until_idle``, no run needs work)."""
+        deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        while not shutdown.requested():
+            if deadline is not None and time.monotonic() > deadline:
+                return
+            if not await self.run_once():
+                if until_idle:
+                    return
+                await asyncio.sleep(self.poll)
+
+    async def _drive(self, claim: Claim) -> None:
+        run_id = claim.lease.run_id
+        agent = self.app.agents.get(claim.agent)
+        if agent is None:
+            reason = f"no agent named {claim.agent!r} in this worker's app"
+            await self.store.set_status(run_id, RunStatus.PARKED, reason=reason)
+            await self.store.release(claim.lease)
+            return
+        session = Session(
+            run_id,
+            self.app.gateway_for(),
+            self.store,
+            lease_ttl=self.app.lease_ttl,
+            lease=claim.lease,
+        )
+        try:
+            status = await self._pass(agent, claim.task, session)
+        except shutdown.ShutdownRequested:
+            raise
+        except LeaseLost as exc:
+            log.warning("run %r: %s", run_id, exc)
+            return
+        except UncertainEffect:
+            status = "uncertain"
+        except Exception as exc:
+            status = await self._failed(run_id, exc)
+        self._count(status)
+
+    async def _pass(self, agent: Agent, task: str, session: Session) -> str:
+        last = "running"
+        async for step in agent.run(task, session=session):
+            last = type(step).__name__
+        return {"FinalStep": "closed", "ApprovalStep": "suspended"}.get(last, "running")
+
+    async def _failed(self, run_id: str, exc: Exception) -> str:
+        """Note why the pass failed; the run stays claimable, and is parked if it keeps failing."""
+        log.warning("run %r failed in this worker: %s", run_id, exc)
+        reason = f"{type(exc).__name__}: {exc}"[:1000]
+        await self.store.set_status(run_id, RunStatus.RUNNING, reason=reason)
+        return "failed"
+
+    def _count(self, status: str) -> None:
+        if status in ("closed", "suspended", "uncertain", "failed"):
+            setattr(self.stats, status, getattr(self.stats, status) + 1)
