@@ -77,6 +77,7 @@ def test_every_error_class_derives_from_asiento_error() -> None:
     """Every exception class asiento defines is an AsientoError.
 
     The CLI's click exceptions are exempt: click turns them into an exit status.
+    Private classes (a leading underscore) never leave their module.
     """
     strays = {
         f"{cls.__module__}.{cls.__qualname__}"
@@ -84,6 +85,7 @@ def test_every_error_class_derives_from_asiento_error() -> None:
         for _, cls in inspect.getmembers(module, inspect.isclass)
         if issubclass(cls, BaseException)
         and cls.__module__.startswith("asiento")
+        and not cls.__name__.startswith("_")
         and not issubclass(cls, AsientoError | click.ClickException)
     }
     assert strays == set()

@@ -170,7 +170,7 @@ class _Pass:
     # -- model steps ---------------------------------------------------------------
 
     async def _model_step(self, step_id: str) -> ModelResponse:
-        fp = self.chain.value
+        fp = self.chain.value[:32]
         recorded = self.journal.get(step_id, {}).get(Phase.RESULT)
         if recorded is not None:
             response = self._replay_model(step_id, fp, recorded)
@@ -249,7 +249,7 @@ class _Pass:
 
     async def _start(self, step_id: str, call: ToolCall, tool: Tool | None) -> bool:
         args = dict(call.arguments)
-        payload: dict[str, Any] = {"tool": call.name, "args": args, "fp": fingerprint(args)}
+        payload: dict[str, Any] = {"tool": call.name, "args": args, "fp": fingerprint(args)[:32]}
         problem = _argument_problem(call, tool)
         if problem is not None or tool is None:
             self._record(step_id, Phase.INTENT, payload)
@@ -441,7 +441,7 @@ def _prepare(tool: Tool, run_id: str, step_id: str, intent: dict[str, Any]) -> s
         return f"prepare failed: {type(exc).__name__}: {exc}"
     intent["prepared"] = prepared
     intent["idem_key"] = idem_key(run_id, step_id, prepared)
-    intent["fp"] = fingerprint({"args": intent["args"], "prepared": prepared})
+    intent["fp"] = fingerprint({"args": intent["args"], "prepared": prepared})[:32]
     return None
 
 

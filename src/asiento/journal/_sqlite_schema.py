@@ -41,7 +41,7 @@ MIGRATIONS: tuple[str, ...] = (
         attempts            INTEGER NOT NULL DEFAULT 0,
         reason              TEXT
     );
-    CREATE INDEX runs_by_status ON runs (status, updated_at);
+    CREATE INDEX runs_by_status ON runs (status);
     """,
 )
 

@@ -61,6 +61,19 @@ ON CONFLICT (run_id) DO UPDATE SET
                     ELSE runs.attempts END
 """
 
+_APPEND_LEASED = """
+UPDATE runs SET
+    status = coalesce(:status, status),
+    events = events + :added,
+    updated_at = :now,
+    model_calls = model_calls + :calls,
+    input_tokens = input_tokens + :inp,
+    output_tokens = output_tokens + :out,
+    attempts = CASE WHEN :status IN ('closed', 'suspended', 'uncertain') THEN 0 ELSE attempts END,
+    lease_expires = :now + lease_ttl
+WHERE run_id = :run_id AND fence = :token AND lease_owner = :owner AND lease_expires >= :now
+"""
+
 _CHECK_LEASE = """
 UPDATE runs SET lease_expires = :now + lease_ttl
 WHERE run_id = :run_id AND fence = :token AND lease_owner = :owner AND lease_expires >= :now
@@ -107,17 +120,21 @@ class SqliteCheckpointer:
         self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
     ) -> None:
         run_id, rows = encode_batch(events)
+        calls, inp, out = usage_of(events)
+        params = {"run_id": run_id, "status": status, "added": len(rows), "now": time.time()}
+        params |= {"calls": calls, "inp": inp, "out": out}
         with self._errors(), self._transaction():
-            if lease is not None:
-                self._check_lease(lease)
+            if lease is None:
+                self._db.execute(_UPSERT_RUN, params)
+            else:  # the lease is checked, and extended, in the append's own transaction
+                params |= {"token": lease.token, "owner": lease.owner}
+                if self._db.execute(_APPEND_LEASED, params).rowcount == 0:
+                    raise lease_lost(lease)
             for row in rows:
                 try:
                     self._db.execute("INSERT INTO journal VALUES (?, ?, ?, ?, ?, ?)", row)
                 except sqlite3.IntegrityError:
                     raise DuplicateRecord(run_id, row[1], row[2]) from None
-            calls, inp, out = usage_of(events)
-            params = {"run_id": run_id, "status": status, "added": len(rows), "now": time.time()}
-            self._db.execute(_UPSERT_RUN, {**params, "calls": calls, "inp": inp, "out": out})
             crash_point("inside_commit")
 
     def _check_lease(self, lease: Lease) -> None:

@@ -1,0 +1,39 @@
+"""The step-overhead benchmark runs, and the counts it prints (never its times) are right."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent.parent / "bench" / "step_overhead.py"
+
+
+def _table_row(output: str, column: str, row: str) -> dict[str, str]:
+    """The cells of ``row`` in the first printed table whose header has ``column``."""
+    lines = output.splitlines()
+    start = next(i for i, line in enumerate(lines) if column in line.split())
+    header = lines[start].split()
+    for line in lines[start + 1 :]:
+        if not line.strip() or line.startswith("=="):
+            break
+        cells = line.split()
+        if cells[0] == row:
+            return dict(zip(header, cells, strict=True))
+    raise AssertionError(f"no row {row!r} under the header {header}")
+
+
+def test_quick_bench_reports_two_commits_per_model_tool_step(tmp_path: Path) -> None:
+    """`--quick` exits 0 and counts 2 durable commits per model+tool step at full durability."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = _table_row(done.stdout, "commits/step", "asiento-full")
+    assert row["commits/step"] == "2", done.stdout
+    assert row["wal_commits/step"] == "2", done.stdout
+    assert "the resume paid model_calls=1 tool_calls=0" in done.stdout, done.stdout
