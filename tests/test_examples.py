@@ -41,6 +41,10 @@ FIGURES: dict[str, list[str]] = {
         r"pass 2\s+1\s+1\s+closed\s+ToolStep\(ok, approved\) · ModelStep · FinalStep",
         r"pass 3\s+0\s+0\s+closed\s+FinalStep\(replayed=True\)",
     ],
+    "07_efectos": [
+        r"invoices the server holds: 1",
+        r"reconcile path: lookup \(attempts: 1\)",
+    ],
     "05_idempotencia_proveedor": [
         r"child: killed by SIGKILL; requests sent 1, answers received 0",
         r"resumed after the SIGKILL\s+m1\s+run-1:m1:[0-9a-f]{32}\s+yes",

@@ -54,8 +54,8 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 class WriteFile(Effect):
@@ -76,17 +76,26 @@ class WriteFile(Effect):
         target = (self.root / path).resolve()
         if not target.is_relative_to(self.root):
             raise EffectRejected(f"{path!r} is outside {self.root}")
-        return {"path": str(target), "content": content, "sha256": _sha256(content)}
+        if target == self.root:
+            raise EffectRejected(f"{path!r} names the root {self.root}, not a file in it")
+        if target.is_dir():
+            raise EffectRejected(f"{path!r} is a directory")
+        return {"path": str(target), "content": content, "sha256": _sha256(content.encode())}
 
     async def publish(self, payload: Any, idem_key: str) -> Published:
-        write_atomic(payload["path"], payload["content"])
+        target = Path(payload["path"])
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(target, payload["content"])
+        except (IsADirectoryError, NotADirectoryError, FileExistsError) as exc:
+            raise EffectRejected(f"cannot write {target}: {exc}") from exc
         return self._found(payload)
 
     async def lookup(self, payload: Any) -> Published | None:
         """The file is there with exactly this content: the write happened."""
         try:
-            current = Path(payload["path"]).read_text()
-        except (FileNotFoundError, UnicodeDecodeError):
+            current = Path(payload["path"]).read_bytes()
+        except OSError:
             return None
         return self._found(payload) if _sha256(current) == payload["sha256"] else None
 

@@ -19,7 +19,9 @@ class HttpEffect(Effect):
 
     Subclass it and define ``prepare`` (its signature is the tool's schema; it
     returns the JSON body). Transient failures (network errors, 408, 409 in
-    flight, 425, 429, 5xx) are retried with the same key and the same body; a
+    flight, 425, 429, 5xx) are retried with the same key and the same body
+    (with ``honours_keys = False`` only a refused connection and a 429 are
+    retried: anything else may have been applied); a
     key reused with other parameters (422, or Stripe's 400 ``idempotency_error``)
     raises ``IdempotencyKeyConflict``; any other 4xx is a refusal, recorded as
     the step's failure. When retries run out the error propagates and the step
@@ -49,11 +51,11 @@ class HttpEffect(Effect):
                     response = await client.request(
                         self.method, self.url, json=payload, headers=headers
                     )
-                except httpx.TransportError:
-                    if last:
+                except httpx.TransportError as exc:
+                    if last or not self._may_retry_error(exc):
                         raise
                 else:
-                    if not self._transient(response) or last:
+                    if last or not self._may_retry(response):
                         return self._answer(response, idem_key)
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
         raise AssertionError("unreachable: the last attempt returns or raises")
@@ -70,6 +72,20 @@ class HttpEffect(Effect):
     @staticmethod
     def _transient(response: httpx.Response) -> bool:
         return response.status_code in _TRANSIENT or response.status_code >= 500
+
+    def _may_retry(self, response: httpx.Response) -> bool:
+        """A transient answer is retried under a key; without keys only a plain 429 is."""
+        if self.honours_keys:
+            return self._transient(response)
+        return response.status_code == 429
+
+    def _may_retry_error(self, exc: httpx.TransportError) -> bool:
+        """Without keys, only a request that never reached the server is sent again.
+
+        A lost answer may hide an applied effect: the step stays submitted and the
+        lookup decides on resume.
+        """
+        return self.honours_keys or isinstance(exc, httpx.ConnectError)
 
     def _answer(self, response: httpx.Response, idem_key: str) -> Published:
         if self.key_conflict(response):
