@@ -1,0 +1,1 @@
+"""Crash tests: real child processes killed with SIGKILL, checked against external ledgers."""

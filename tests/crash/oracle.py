@@ -1,0 +1,471 @@
+"""The crash tests' oracle: drive children, snapshot the journal, check the invariants.
+
+Everything checked here is read from outside the killed process: the effects
+ledger, the model ledger and the journal file. A ``RunLog`` remembers, for each
+operation on a run (a pass, an approval, a resolution), the journal as it was
+when the operation started and where each ledger stood, so the lines an
+operation added can be held against what was already recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asiento.testing import ENV_VAR
+
+from .child import IDEMPOTENT, MODEL_STEPS, TOOL_STEPS, UNCERTAIN_EXIT
+
+CHILD = Path(__file__).with_name("child.py")
+KILLED = -signal.SIGKILL
+CALL_TIMEOUT = 60.0
+# Crash points only a tool published through an Effect passes; the child has none.
+NOT_APPLICABLE = frozenset({"after_prepare", "after_publish"})
+
+# step id -> phase -> (decision, payload)
+Journal = dict[str, dict[str, tuple[str | None, dict[str, Any]]]]
+Runner = Callable[[dict[str, Any]], tuple[int, dict[str, Any] | None]]
+
+
+# -- reading what survived ---------------------------------------------------------
+
+
+def _connect(db: Path) -> sqlite3.Connection:
+    return sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+
+
+def _rows(db: Path, sql: str, *args: str) -> list[tuple[Any, ...]]:
+    """Rows from the journal file; none while no child has got as far as creating it."""
+    if not db.exists():
+        return []
+    con = _connect(db)
+    try:
+        if con.execute("SELECT count(*) FROM sqlite_master WHERE name = 'runs'").fetchone()[0]:
+            return con.execute(sql, args).fetchall()
+        return []  # a child was killed before the schema's first commit
+    finally:
+        con.close()
+
+
+def read_journal(db: Path, run_id: str) -> Journal:
+    """The run's records, straight from the SQLite file."""
+    sql = "SELECT step_id, phase, decision, payload FROM journal WHERE run_id = ? ORDER BY rowid"
+    journal: Journal = {}
+    for step, phase, decision, payload in _rows(db, sql, run_id):
+        journal.setdefault(step, {})[phase] = (decision, json.loads(payload))
+    return journal
+
+
+def read_status(db: Path, run_id: str) -> str | None:
+    rows = _rows(db, "SELECT status FROM runs WHERE run_id = ?", run_id)
+    return str(rows[0][0]) if rows else None
+
+
+def integrity(db: Path) -> str:
+    """``PRAGMA integrity_check`` of the journal file: 'ok' when it is sound."""
+    con = _connect(db)
+    try:
+        return "; ".join(str(r[0]) for r in con.execute("PRAGMA integrity_check").fetchall())
+    finally:
+        con.close()
+
+
+def read_ledger(path: Path) -> list[dict[str, Any]]:
+    """Every line of a ledger; a torn line is an error, not something to skip."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    if text and not text.endswith("\n"):
+        raise AssertionError(f"{path}: torn last line {text.splitlines()[-1]!r}")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def model_key(run_id: str, step: str, fp: str) -> str:
+    """The documented provider key: (run_id, step_id, body fingerprint)."""
+    return f"{run_id}:{step}:{fp[:32]}"
+
+
+def recorded_keys(run_id: str, journal: Journal) -> set[str]:
+    """The keys of the model steps whose answers the journal holds."""
+    return {
+        model_key(run_id, step, phases["result"][1]["fp"])
+        for step, phases in journal.items()
+        if step in MODEL_STEPS and "result" in phases
+    }
+
+
+def attempts(journal: Journal, step: str) -> list[str]:
+    """The record ids of a tool step's attempts, first to latest: step, step/2, ..."""
+    ids = [step]
+    while f"{step}/{len(ids) + 1}" in journal:
+        ids.append(f"{step}/{len(ids) + 1}")
+    return ids
+
+
+def outcome_known(journal: Journal, step: str) -> bool:
+    """A result, or a person's 'it happened', is recorded for some attempt of ``step``."""
+    for record_id in attempts(journal, step):
+        phases = journal.get(record_id, {})
+        if "result" in phases:
+            return True
+        if "resolution" in phases and phases["resolution"][1].get("happened"):
+            return True
+    return False
+
+
+def uncertain_steps(journal: Journal) -> set[str]:
+    """Non-idempotent attempts submitted with no result and no resolution."""
+    found = set()
+    for step, (tool, _) in TOOL_STEPS.items():
+        latest = attempts(journal, step)[-1]
+        phases = journal.get(latest, {})
+        if IDEMPOTENT[tool] or "submitted" not in phases:
+            continue
+        if "result" not in phases and "resolution" not in phases:
+            found.add(latest)
+    return found
+
+
+# -- running children --------------------------------------------------------------
+
+
+def child_env(crash: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    if crash:
+        env[ENV_VAR] = crash
+    return env
+
+
+def _argv(cmd: dict[str, Any]) -> list[str]:
+    argv = [sys.executable, str(CHILD), cmd["op"], str(cmd["db"]), cmd["run"]]
+    if cmd["op"] == "run":
+        argv += ["--effects", str(cmd["effects"]), "--models", str(cmd["models"])]
+        argv += ["--approval"] if cmd.get("approval") else []
+    elif cmd["op"] == "approve":
+        argv += [cmd["step"]] + (
+            ["--fingerprint", cmd["fingerprint"]] if cmd.get("fingerprint") else []
+        )
+    else:
+        argv += [cmd["step"], "--happened", "yes" if cmd["happened"] else "no"]
+    return argv
+
+
+def fresh_child(cmd: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
+    """Run ``cmd`` in a new interpreter, armed through ASIENTO_CRASH_AT."""
+    proc = subprocess.run(
+        _argv(cmd),
+        env=child_env(cmd.get("crash")),
+        capture_output=True,
+        text=True,
+        timeout=CALL_TIMEOUT,
+        check=False,
+    )
+    if proc.returncode not in (0, UNCERTAIN_EXIT, KILLED):
+        raise AssertionError(f"child {cmd} failed with {proc.returncode}:\n{proc.stderr}")
+    lines = proc.stdout.strip().splitlines()
+    return proc.returncode, json.loads(lines[-1]) if lines else None
+
+
+class ForkServer:
+    """``child.py serve``: imports asiento once, forks a real process per command."""
+
+    def __init__(self, stderr_path: Path) -> None:
+        self.stderr_path = stderr_path
+        self._stderr = stderr_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(CHILD), "serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            env=child_env(),
+        )
+        self._buffer = b""
+
+    def __call__(self, cmd: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(cmd, default=str) + "\n").encode())
+        self.proc.stdin.flush()
+        reply = json.loads(self._readline())
+        if reply["rc"] not in (0, UNCERTAIN_EXIT, KILLED):
+            raise AssertionError(f"child {cmd} failed with {reply['rc']}:\n{self.stderr_tail()}")
+        return reply["rc"], reply["out"]
+
+    def _readline(self) -> bytes:
+        assert self.proc.stdout is not None
+        fd, deadline = self.proc.stdout.fileno(), time.monotonic() + CALL_TIMEOUT
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise AssertionError(f"fork-server silent for {CALL_TIMEOUT}s")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError(f"fork-server died:\n{self.stderr_tail()}")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
+
+    def stderr_tail(self, chars: int = 4000) -> str:
+        self._stderr.flush()
+        return self.stderr_path.read_text(errors="replace")[-chars:]
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+            self._stderr.close()
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+
+
+# -- one run, operation by operation -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation on a run and how it ended."""
+
+    op: str
+    crash: str | None
+    kill_after: float | None
+    rc: int
+    out: dict[str, Any] | None
+    before: Journal  # the run's journal when the operation started
+    status_before: str | None
+    effects_at: int  # ledger lengths when it started
+    models_at: int
+
+
+@dataclass
+class RunLog:
+    """A run driven through a journal file, with its two ledgers and its history."""
+
+    db: Path
+    run_id: str
+    effects: Path
+    models: Path
+    approval: bool = False
+    ops: list[Op] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, db: Path, run_id: str, ledgers: Path, *, approval: bool = False) -> RunLog:
+        """A run whose ledgers live in ``ledgers/{run_id}.effects`` and ``.models``."""
+        effects, models = ledgers / f"{run_id}.effects", ledgers / f"{run_id}.models"
+        return cls(db, run_id, effects, models, approval)
+
+    @property
+    def closed(self) -> bool:
+        last = self.last
+        return last is not None and last.get("outcome") == "closed"
+
+    @property
+    def last(self) -> dict[str, Any] | None:
+        """How the latest operation that was not killed ended (None: none, or killed)."""
+        if not self.ops or self.ops[-1].rc == KILLED:
+            return None
+        return self.ops[-1].out
+
+    def next_command(self) -> dict[str, Any]:
+        """What a supervisor does next: run, approve what waits, or resolve what is unknown."""
+        last, base = self.last or {}, {"db": str(self.db), "run": self.run_id}
+        if last.get("outcome") == "suspended":
+            return base | {
+                "op": "approve",
+                "step": last["step"],
+                "fingerprint": last["fingerprint"],
+            }
+        if last.get("outcome") == "uncertain":
+            happened = any(e["step"] == last["step"].split("/")[0] for e in self.effect_lines())
+            return base | {"op": "resolve", "step": last["step"], "happened": happened}
+        paths = {"effects": str(self.effects), "models": str(self.models)}
+        return base | paths | {"op": "run", "approval": self.approval}
+
+    def advance(
+        self, runner: Runner, *, crash: str | None = None, kill_after: float | None = None
+    ) -> Op:
+        """Do the next operation in a child, armed or to be killed as asked."""
+        cmd = self.next_command() | {"crash": crash, "kill_after": kill_after}
+        before, status = read_journal(self.db, self.run_id), read_status(self.db, self.run_id)
+        at = (len(read_ledger(self.effects)), len(read_ledger(self.models)))
+        rc, out = runner(cmd)
+        op = Op(cmd["op"], crash, kill_after, rc, out, before, status, *at)
+        self.ops.append(op)
+        return op
+
+    def summary(self) -> str:
+        """The run's operations, one line each, for assertion messages."""
+        return "\n".join(
+            f"  #{i} {op.op} crash={op.crash} kill_after={op.kill_after} -> {op.rc} {op.out}"
+            for i, op in enumerate(self.ops)
+        )
+
+    def effect_lines(self) -> list[dict[str, Any]]:
+        return read_ledger(self.effects)
+
+    def model_lines(self) -> list[dict[str, Any]]:
+        return read_ledger(self.models)
+
+    def added(self, lines: list[dict[str, Any]], index: int, ledger: str) -> list[dict[str, Any]]:
+        """The lines of ``ledger`` written during operation ``index``."""
+        start = getattr(self.ops[index], f"{ledger}_at")
+        end = (
+            len(lines)
+            if index + 1 == len(self.ops)
+            else getattr(self.ops[index + 1], f"{ledger}_at")
+        )
+        return lines[start:end]
+
+
+def drive(
+    log: RunLog,
+    runner: Runner,
+    *,
+    crash: str | None = None,
+    target: tuple[str, int] = ("run", 1),
+    max_ops: int = 16,
+) -> None:
+    """Supervise the run to its end, arming ``crash`` only in the ``target`` operation.
+
+    ``target`` is (operation, n): the n-th "run" pass or the n-th "approve". After
+    the run closes, one more pass checks that a closed run is only answered.
+    """
+    seen = 0
+    for _ in range(max_ops):
+        if log.closed:
+            log.advance(runner)
+            return
+        op = log.next_command()["op"]
+        seen += op == target[0]
+        log.advance(runner, crash=crash if (op, seen) == target else None)
+    raise AssertionError(
+        f"run {log.run_id} not closed after {max_ops} operations:\n{log.summary()}"
+    )
+
+
+# -- the invariants ----------------------------------------------------------------
+
+# How an operation ended -> the run's status in the index right after it.
+STATUS = {
+    "closed": "closed",
+    "suspended": "suspended",
+    "uncertain": "uncertain",
+    "approved": "running",
+    "resolved": "running",
+}
+
+
+def violations(log: RunLog) -> list[str]:
+    """Every broken promise the ledgers and the journal show for this run."""
+    effects, models = log.effect_lines(), log.model_lines()
+    found = _no_double_effect(log, effects) + _same_request_same_key(log, models)
+    for index, op in enumerate(log.ops):
+        new_effects = log.added(effects, index, "effects")
+        new_models = log.added(models, index, "models")
+        where = f"run {log.run_id} op #{index} {op.op} crash={op.crash} kill_after={op.kill_after}"
+        found += [f"{where}: {v}" for v in _op_violations(log, op, new_effects, new_models)]
+        status = log.ops[index + 1].status_before if index + 1 < len(log.ops) else None
+        if op.rc != KILLED and op.out and status and status != STATUS[op.out["outcome"]]:
+            found.append(f"{where}: ended {op.out['outcome']} but the run index says {status}")
+    if log.closed:
+        found += _closed_run(log, effects, models)
+    return found
+
+
+def _no_double_effect(log: RunLog, effects: list[dict[str, Any]]) -> list[str]:
+    counts = Counter((e["tool"], e["step"]) for e in effects if e["run"] == log.run_id)
+    return [
+        f"run {log.run_id}: non-idempotent {tool} applied {n} times for step {step}"
+        for (tool, step), n in counts.items()
+        if not IDEMPOTENT[tool] and n > 1
+    ]
+
+
+def _same_request_same_key(log: RunLog, models: list[dict[str, Any]]) -> list[str]:
+    keys: dict[str, set[str]] = {}
+    for line in models:
+        keys.setdefault(line["key"].rsplit(":", 2)[1], set()).add(line["key"])
+    return [
+        f"run {log.run_id}: model step {step} was requested under {len(k)} keys {sorted(k)}"
+        for step, k in keys.items()
+        if len(k) > 1
+    ]
+
+
+def _op_violations(
+    log: RunLog, op: Op, effects: list[dict[str, Any]], models: list[dict[str, Any]]
+) -> list[str]:
+    found = []
+    if op.op != "run" and (effects or models):
+        found.append(f"{op.op} wrote ledger lines {effects + models}")
+    for e in effects:
+        if outcome_known(op.before, e["step"]):
+            found.append(f"{e['tool']} ran again for step {e['step']} whose outcome was recorded")
+    recorded = recorded_keys(log.run_id, op.before)
+    for m in models:
+        if m["key"] in recorded:
+            found.append(f"model key {m['key']} requested again after its answer was recorded")
+    uncertain = uncertain_steps(op.before)
+    if uncertain and (effects or models):
+        found.append(f"went on past uncertain {sorted(uncertain)}: {effects + models}")
+    if op.op == "run" and op.rc != KILLED:
+        found += _uncertain_iff(op, uncertain)
+        if "final" in op.before and op.out != {"outcome": "closed", "replayed": True}:
+            found.append(f"a closed run was not only answered: {op.out}")
+    return found
+
+
+def _uncertain_iff(op: Op, uncertain: set[str]) -> list[str]:
+    """UncertainEffect exactly when a non-idempotent step was submitted with no outcome."""
+    stopped = op.rc == UNCERTAIN_EXIT
+    if stopped and not uncertain:
+        return [f"UncertainEffect {op.out} with no uncertain step in the journal"]
+    if uncertain and not stopped:
+        return [f"journal had uncertain {sorted(uncertain)} but the pass ended {op.out}"]
+    if stopped and op.out is not None and op.out.get("step") not in uncertain:
+        return [f"UncertainEffect names {op.out.get('step')}, journal says {sorted(uncertain)}"]
+    return []
+
+
+def _closed_run(
+    log: RunLog, effects: list[dict[str, Any]], models: list[dict[str, Any]]
+) -> list[str]:
+    journal, found = read_journal(log.db, log.run_id), _tool_outcomes(log, effects)
+    if "result" not in journal.get("final", {}):
+        found.append(f"run {log.run_id}: closed but no final record")
+    if (status := read_status(log.db, log.run_id)) != "closed":
+        found.append(f"run {log.run_id}: closed but its status is {status}")
+    recorded = recorded_keys(log.run_id, journal)
+    missing = recorded - {m["key"] for m in models}
+    if missing or len(recorded) != len(MODEL_STEPS):
+        found.append(f"run {log.run_id}: model answers {sorted(recorded)}, never asked {missing}")
+    return found
+
+
+def _tool_outcomes(log: RunLog, effects: list[dict[str, Any]]) -> list[str]:
+    """Each tool step of a closed run has an outcome and happened once (or more if idempotent)."""
+    journal, found = read_journal(log.db, log.run_id), []
+    counts = Counter(e["step"] for e in effects)
+    for step, (tool, _) in TOOL_STEPS.items():
+        if not outcome_known(journal, step):
+            found.append(f"run {log.run_id}: closed with no outcome for {step}")
+        if not (counts[step] >= 1 if IDEMPOTENT[tool] else counts[step] == 1):
+            found.append(f"run {log.run_id}: {tool} {step} has {counts[step]} ledger lines")
+        approval = journal.get(step, {}).get("approval", (None, {}))[0]
+        if log.approval and tool == "send" and approval != "approved":
+            found.append(f"run {log.run_id}: {step} ran without a recorded approval")
+    return found
