@@ -36,6 +36,7 @@ from .events import (
 )
 from .harness import approve, deny, resolve
 from .journal import Checkpointer, MemoryCheckpointer, SqliteCheckpointer
+from .journal.url import open_store
 from .lease import Holder
 from .model import Gateway, Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
 from .policy import Policy, allow_all, require_approval_for
@@ -45,6 +46,16 @@ from .tools import Tool, tool
 from .worker import App, Worker, submit
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``PostgresCheckpointer`` is imported on first use: psycopg is an optional extra."""
+    if name == "PostgresCheckpointer":
+        from .journal.postgres import PostgresCheckpointer
+
+        return PostgresCheckpointer
+    raise AttributeError(f"module 'asiento' has no attribute {name!r}")
+
 
 __all__ = [
     "Agent",
@@ -74,6 +85,7 @@ __all__ = [
     "NotAJournal",
     "Phase",
     "Policy",
+    "PostgresCheckpointer",
     "ReplayDivergence",
     "RunError",
     "RunInfo",
@@ -100,6 +112,7 @@ __all__ = [
     "deny",
     "idem_key",
     "model_key",
+    "open_store",
     "require_approval_for",
     "resolve",
     "submit",

@@ -1,13 +1,19 @@
 """One conformance suite that every journal backend must pass.
 
-A new backend joins by adding one factory to ``FACTORIES``.
+A new backend joins by adding one factory to ``FACTORIES``: it gets the test's
+``request`` (for fixtures such as ``tmp_path`` or ``pg_dsn``) and returns a
+store, or an awaitable of one. The PostgreSQL server is started only if a
+postgres test runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
+import os
+import subprocess
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,26 +22,34 @@ from asiento import (
     Checkpointer,
     Decision,
     DuplicateRecord,
+    Holder,
+    Lease,
+    LeaseLost,
     MemoryCheckpointer,
     Phase,
+    RunLocked,
     RunStatus,
+    Savings,
     SqliteCheckpointer,
     StepEvent,
     UsageError,
 )
+from asiento.journal.postgres import PostgresCheckpointer
+from asiento.lease import hostname, process_start
 
-Factory = Callable[[Path], "Checkpointer | Awaitable[Checkpointer]"]
+Factory = Callable[[pytest.FixtureRequest], "Checkpointer | Awaitable[Checkpointer]"]
 
 FACTORIES: dict[str, Factory] = {
-    "memory": lambda tmp: MemoryCheckpointer(),
-    "sqlite": lambda tmp: SqliteCheckpointer(tmp / "runs.db"),
+    "memory": lambda request: MemoryCheckpointer(),
+    "sqlite": lambda request: SqliteCheckpointer(request.getfixturevalue("tmp_path") / "runs.db"),
+    "postgres": lambda request: PostgresCheckpointer.connect(request.getfixturevalue("pg_dsn")),
 }
 
 
 @pytest.fixture(params=list(FACTORIES))
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Checkpointer]:
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Checkpointer]:
     """A fresh, empty journal of each backend."""
-    made = FACTORIES[request.param](tmp_path)
+    made = FACTORIES[request.param](request)
     backend = await made if inspect.isawaitable(made) else made
     yield backend
     await backend.close()
@@ -253,3 +267,177 @@ async def test_payload_round_trips(store: Checkpointer) -> None:
     assert loaded == event
     assert loaded.payload == payload
     assert isinstance(loaded.phase, Phase)
+
+
+# -- leases --------------------------------------------------------------------------------
+
+
+def holder(owner: str, *, host: str | None = None, pid: int | None = None) -> Holder:
+    """A lease holder; by default a live one: this process, on this host."""
+    pid = os.getpid() if pid is None else pid
+    here = host is None
+    return Holder(
+        owner=owner,
+        host=hostname() if here else str(host),
+        pid=pid,
+        started=process_start(pid) if here else "1",
+    )
+
+
+def dead_pid() -> tuple[int, str]:
+    """The pid and start time of a process that has exited (and was reaped)."""
+    child = subprocess.Popen(["sleep", "5"])
+    started = process_start(child.pid)
+    child.kill()
+    child.wait(timeout=10)
+    return child.pid, started
+
+
+async def info_of(store: Checkpointer, run_id: str = "run-1") -> Any:
+    """The listing entry of one run."""
+    [info] = [r for r in await store.runs() if r.run_id == run_id]
+    return info
+
+
+async def test_acquire_creates_the_run_with_token_one(store: Checkpointer) -> None:
+    """The first acquire of an unknown run creates its row and returns fencing token 1."""
+    lease = await store.acquire("run-1", holder("a"), ttl=30)
+    assert (lease.run_id, lease.token, lease.owner) == ("run-1", 1, "a")
+    info = await info_of(store)
+    assert (info.status, info.events, info.fence, info.lease_owner) == (
+        RunStatus.RUNNING,
+        0,
+        1,
+        "a",
+    )
+    assert info.lease_expires is not None
+    assert info.lease_expires > time.time() + 20
+
+
+async def test_live_holder_on_this_host_locks_the_run(store: Checkpointer) -> None:
+    """Another owner of a live process on this host gets RunLocked naming the holder."""
+    await store.acquire("run-1", holder("a"), ttl=30)
+    with pytest.raises(RunLocked, match=rf"run-1.*pid {os.getpid()}"):
+        await store.acquire("run-1", holder("other"), ttl=30)
+    assert (await info_of(store)).lease_owner == "a"
+
+
+async def test_same_owner_acquires_again_with_a_new_token(store: Checkpointer) -> None:
+    """The same owner may take its own lease again; the token still grows."""
+    first = await store.acquire("run-1", holder("a"), ttl=30)
+    again = await store.acquire("run-1", holder("a"), ttl=30)
+    assert again.token == first.token + 1
+
+
+async def test_other_host_is_taken_over_only_after_expiry(store: Checkpointer) -> None:
+    """A holder on another host locks the run until its lease expires, then token+1."""
+    first = await store.acquire("run-1", holder("far", host="elsewhere", pid=1), ttl=0.5)
+    with pytest.raises(RunLocked, match="elsewhere"):
+        await store.acquire("run-1", holder("b"), ttl=30)
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            taken = await store.acquire("run-1", holder("b"), ttl=30)
+            break
+        except RunLocked:
+            assert time.monotonic() < deadline, "the expired lease was never taken over"
+            await asyncio.sleep(0.05)
+    assert taken.token == first.token + 1
+    assert (await info_of(store)).lease_owner == "b"
+
+
+async def test_dead_holder_on_this_host_is_taken_over_at_once(store: Checkpointer) -> None:
+    """A holder whose process is gone from this host is taken over before its expiry."""
+    pid, started = dead_pid()
+    gone = Holder(owner="gone", host=hostname(), pid=pid, started=started)
+    first = await store.acquire("run-1", gone, ttl=300)
+    taken = await store.acquire("run-1", holder("b"), ttl=30)
+    assert taken.token == first.token + 1
+
+
+async def test_stale_lease_appends_nothing(store: Checkpointer) -> None:
+    """After a takeover, the old lease's append raises LeaseLost and writes nothing."""
+    pid, started = dead_pid()
+    gone = Holder(owner="old", host=hostname(), pid=pid, started=started)
+    old = await store.acquire("run-1", gone, ttl=300)
+    await store.append(ev("m1", n=1), lease=old)
+    new = await store.acquire("run-1", holder("new"), ttl=30)
+    before = await info_of(store)
+    with pytest.raises(LeaseLost, match=rf"run-1.*token {old.token}"):
+        await store.append(ev("m2", n=2), ev("m2.t1", Phase.INTENT), lease=old)
+    assert [e.step_id for e in await store.load("run-1")] == ["m1"]
+    after = await info_of(store)
+    assert (after.events, after.fence, after.lease_owner) == (1, new.token, "new")
+    assert after.lease_expires == before.lease_expires
+    await store.append(ev("m2", n=3), lease=new)
+    assert [e.payload for e in await store.load("run-1")] == [{"n": 1}, {"n": 3}]
+
+
+async def test_expired_lease_appends_nothing(store: Checkpointer) -> None:
+    """A lease past its expiry, even not taken over, cannot write."""
+    lease = await store.acquire("run-1", holder("a"), ttl=0.05)
+    await asyncio.sleep(0.2)
+    with pytest.raises(LeaseLost):
+        await store.append(ev("m1"), lease=lease)
+    assert await store.load("run-1") == []
+    assert (await info_of(store)).events == 0
+
+
+async def test_renew_extends_a_current_lease(store: Checkpointer) -> None:
+    """renew() moves the expiry forward; a stale lease cannot be renewed."""
+    lease = await store.acquire("run-1", holder("a"), ttl=5)
+    before = (await info_of(store)).lease_expires
+    renewed = await store.renew(lease, ttl=60)
+    after = (await info_of(store)).lease_expires
+    assert before is not None
+    assert after is not None
+    assert after > before + 30
+    assert renewed.token == lease.token
+    stale = Lease(run_id="run-1", token=lease.token - 1, owner="a", expires=0)
+    with pytest.raises(LeaseLost):
+        await store.renew(stale, ttl=60)
+
+
+async def test_release_frees_the_run_and_adds_savings(store: Checkpointer) -> None:
+    """release() lets another holder in at once and adds what the pass saved."""
+    lease = await store.acquire("run-1", holder("a"), ttl=300)
+    await store.release(lease, savings=Savings(calls=2, input_tokens=30, output_tokens=4))
+    info = await info_of(store)
+    assert (info.lease_owner, info.lease_expires) == (None, None)
+    second = await store.acquire("run-1", holder("b"), ttl=300)
+    await store.release(second, savings=Savings(calls=1, input_tokens=5, output_tokens=1))
+    await store.release(second, savings=Savings(calls=9, input_tokens=9, output_tokens=9))
+    info = await info_of(store)
+    saved = (info.replayed_calls, info.saved_input_tokens, info.saved_output_tokens)
+    assert saved == (3, 35, 5)
+
+
+async def test_append_with_the_lease_extends_it(store: Checkpointer) -> None:
+    """An append under a valid lease pushes lease_expires forward by the lease's ttl."""
+    lease = await store.acquire("run-1", holder("a"), ttl=2)
+    before = (await info_of(store)).lease_expires
+    await asyncio.sleep(0.1)
+    await store.append(ev("m1"), lease=lease)
+    after = (await info_of(store)).lease_expires
+    assert before is not None
+    assert after is not None
+    assert before + 0.05 < after < time.time() + 2.5
+
+
+async def test_append_without_a_lease_ignores_the_lease(store: Checkpointer) -> None:
+    """The harness appends without a lease whoever holds the run, and changes no lease."""
+    await store.acquire("run-1", holder("a"), ttl=300)
+    held = await info_of(store)
+    await store.append(ev("m1.t1", Phase.APPROVAL, decision=Decision.APPROVED))
+    after = await info_of(store)
+    assert (after.events, after.lease_owner, after.fence) == (1, "a", held.fence)
+    assert after.lease_expires == held.lease_expires
+
+
+async def test_ledger_counts_paid_model_calls(store: Checkpointer) -> None:
+    """Appended model results add their calls and tokens to the run's ledger."""
+    usage = {"usage": [100, 7]}
+    await store.append(ev("m1", response=usage), ev("m1.t1", Phase.INTENT))
+    await store.append(ev("m2", response={"usage": [50, 3]}))
+    info = await info_of(store)
+    assert (info.model_calls, info.input_tokens, info.output_tokens) == (2, 150, 10)

@@ -1,0 +1,187 @@
+"""Numbered migrations and the SQL of the PostgreSQL journal.
+
+The table ``asiento_schema`` holds one row per applied migration; the highest
+is the schema version. Migrations run in one transaction under an advisory
+transaction lock, so that processes opening a new database at once apply
+each migration exactly once.
+"""
+
+from __future__ import annotations
+
+# "ASNT", as in the SQLite application_id: the advisory lock of the migrations.
+MIGRATION_LOCK = 0x41534E54
+
+# Lease times come from the server's clock: the one clock every worker shares.
+NOW = "extract(epoch FROM statement_timestamp())::float8"
+
+CREATE_VERSIONS = """
+CREATE TABLE IF NOT EXISTS asiento_schema (
+    version    integer PRIMARY KEY,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    # 1: the journal, and the run index with leases and the paid-call ledger.
+    (
+        """
+        CREATE TABLE journal (
+            seq        bigint GENERATED ALWAYS AS IDENTITY,
+            run_id     text NOT NULL,
+            step_id    text NOT NULL,
+            phase      text NOT NULL,
+            decision   text,
+            payload    text NOT NULL,
+            created_at double precision NOT NULL,
+            PRIMARY KEY (run_id, step_id, phase)
+        )
+        """,
+        """
+        CREATE TABLE runs (
+            run_id              text PRIMARY KEY,
+            status              text NOT NULL,
+            events              bigint NOT NULL,
+            created_at          double precision NOT NULL,
+            updated_at          double precision NOT NULL,
+            lease_owner         text,
+            lease_host          text,
+            lease_pid           bigint,
+            lease_started       text,
+            lease_expires       double precision,
+            lease_ttl           double precision,
+            fence               bigint NOT NULL DEFAULT 0,
+            model_calls         bigint NOT NULL DEFAULT 0,
+            input_tokens        bigint NOT NULL DEFAULT 0,
+            output_tokens       bigint NOT NULL DEFAULT 0,
+            replayed_calls      bigint NOT NULL DEFAULT 0,
+            saved_input_tokens  bigint NOT NULL DEFAULT 0,
+            saved_output_tokens bigint NOT NULL DEFAULT 0,
+            task                text,
+            agent               text,
+            attempts            bigint NOT NULL DEFAULT 0,
+            reason              text
+        )
+        """,
+        "CREATE INDEX runs_by_status ON runs (status)",
+        # What claim() scans: submitted runs that may need work, oldest update first.
+        """
+        CREATE INDEX runs_claimable ON runs (updated_at, run_id COLLATE "C")
+        WHERE status = 'running' AND task IS NOT NULL
+        """,
+    ),
+)
+
+SCHEMA_VERSION = len(MIGRATIONS)
+
+SELECT_EVENTS = "SELECT step_id, phase, decision, payload, created_at FROM journal"
+
+INSERT_EVENTS = """
+INSERT INTO journal (run_id, step_id, phase, decision, payload, created_at)
+SELECT r, s, p, d, j, c
+FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::text[], %s::float8[])
+    WITH ORDINALITY AS batch (r, s, p, d, j, c, n)
+ORDER BY n
+ON CONFLICT DO NOTHING
+RETURNING step_id, phase
+"""
+
+# A run reaching a stable state (closed, suspended, uncertain) starts counting claims anew.
+_ATTEMPTS = """attempts = CASE WHEN %(status)s IN ('closed', 'suspended', 'uncertain') THEN 0
+                    ELSE runs.attempts END"""
+
+UPSERT_RUN = f"""
+INSERT INTO runs (run_id, status, events, created_at, updated_at,
+                  model_calls, input_tokens, output_tokens)
+VALUES (%(run_id)s, coalesce(%(status)s, 'running'), %(added)s, {NOW}, {NOW},
+        %(calls)s, %(inp)s, %(out)s)
+ON CONFLICT (run_id) DO UPDATE SET
+    status = coalesce(%(status)s, runs.status),
+    events = runs.events + excluded.events,
+    updated_at = excluded.updated_at,
+    model_calls = runs.model_calls + excluded.model_calls,
+    input_tokens = runs.input_tokens + excluded.input_tokens,
+    output_tokens = runs.output_tokens + excluded.output_tokens,
+    {_ATTEMPTS}
+"""
+
+# The loop's append: the lease is checked, and extended, by the run's own update.
+APPEND_LEASED = f"""
+UPDATE runs SET
+    status = coalesce(%(status)s, status),
+    events = events + %(added)s,
+    updated_at = {NOW},
+    model_calls = model_calls + %(calls)s,
+    input_tokens = input_tokens + %(inp)s,
+    output_tokens = output_tokens + %(out)s,
+    {_ATTEMPTS},
+    lease_expires = {NOW} + lease_ttl
+WHERE run_id = %(run_id)s AND fence = %(token)s AND lease_owner = %(owner)s
+  AND lease_expires >= {NOW}
+RETURNING lease_expires
+"""
+
+CHECK_LEASE = f"""
+UPDATE runs SET lease_expires = {NOW} + lease_ttl
+WHERE run_id = %(run_id)s AND fence = %(token)s AND lease_owner = %(owner)s
+  AND lease_expires >= {NOW}
+RETURNING lease_expires
+"""
+
+CREATE_RUN = f"""
+INSERT INTO runs (run_id, status, events, created_at, updated_at)
+VALUES (%s, 'running', 0, {NOW}, {NOW})
+ON CONFLICT (run_id) DO NOTHING
+"""
+
+LOCK_RUN = f"""
+SELECT lease_owner, lease_host, lease_pid, lease_started, lease_expires, fence, {NOW}
+FROM runs WHERE run_id = %s FOR UPDATE
+"""
+
+TAKE_LEASE = """
+UPDATE runs SET lease_owner = %s, lease_host = %s, lease_pid = %s, lease_started = %s,
+    lease_expires = %s, lease_ttl = %s, fence = %s
+WHERE run_id = %s
+"""
+
+SET_TTL = "UPDATE runs SET lease_ttl = %s WHERE run_id = %s AND fence = %s"
+
+RELEASE = """
+UPDATE runs SET lease_owner = NULL, lease_expires = NULL,
+    replayed_calls = replayed_calls + %s, saved_input_tokens = saved_input_tokens + %s,
+    saved_output_tokens = saved_output_tokens + %s
+WHERE run_id = %s AND fence = %s AND lease_owner = %s
+"""
+
+SET_STATUS = f"""
+UPDATE runs SET status = %s, updated_at = {NOW}, reason = coalesce(%s, reason) WHERE run_id = %s
+"""
+
+SUBMIT = f"""
+INSERT INTO runs (run_id, status, events, created_at, updated_at, task, agent)
+VALUES (%s, 'running', 0, {NOW}, {NOW}, %s, %s)
+ON CONFLICT (run_id) DO NOTHING
+RETURNING run_id
+"""
+
+# SKIP LOCKED: many workers claim different runs without waiting for each other.
+CLAIMABLE = f"""
+SELECT run_id, task, agent, attempts, reason, fence, {NOW} FROM runs
+WHERE status = 'running' AND task IS NOT NULL
+  AND (lease_owner IS NULL OR lease_expires < {NOW})
+ORDER BY updated_at, run_id COLLATE "C" LIMIT 1
+FOR UPDATE SKIP LOCKED
+"""
+
+PARK = f"UPDATE runs SET status = 'parked', reason = %s, updated_at = {NOW} WHERE run_id = %s"
+
+COUNT_CLAIM = "UPDATE runs SET attempts = attempts + 1 WHERE run_id = %s"
+
+SELECT_RUNS = """
+SELECT run_id, status, events, created_at, updated_at, lease_owner, lease_expires, fence,
+    model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
+    saved_output_tokens, task, agent, attempts, reason
+FROM runs
+"""
+
+ORDER_RUNS = ' ORDER BY created_at, run_id COLLATE "C"'

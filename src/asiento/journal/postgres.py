@@ -1,0 +1,470 @@
+"""The journal in PostgreSQL, for many workers on many machines (psycopg 3, async pool).
+
+    store = await PostgresCheckpointer.connect("postgresql://app@db/agents")
+    ...   # Session("run-1", gateway, store), Worker(store, app), open_store(url)
+    await store.close()
+
+or ``async with PostgresCheckpointer(dsn) as store:``; a store only constructed
+opens itself at its first use. The pool belongs to the event loop that opened
+it. Opening applies the missing migrations (numbered, recorded in the table
+``asiento_schema``) in one transaction under an advisory lock, so any number
+of workers may open a new database at once.
+
+Semantics are ``SqliteCheckpointer``'s, except that lease times come from the
+server's clock, the one clock every worker shares. A connection lost before
+COMMIT leaves nothing behind and the work is retried once on a new connection;
+a COMMIT whose outcome is unknown is read back before ``append`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Self, TypeVar
+
+import psycopg
+from psycopg import AsyncConnection
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import TupleRow
+from psycopg_pool import AsyncConnectionPool
+
+from .._crash import crash_point
+from ..errors import (
+    DuplicateRecord,
+    JournalBusy,
+    JournalError,
+    JournalTooNew,
+    NotAJournal,
+    UsageError,
+)
+from ..events import FINAL_STEP_ID, Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
+from ..lease import Holder
+from . import _postgres_schema as sql
+from .base import (
+    Row,
+    check_id,
+    decode_row,
+    encode_batch,
+    lease_lost,
+    may_take,
+    parked_reason,
+    run_info,
+    run_locked,
+    usage_of,
+)
+
+T = TypeVar("T")
+Conn = AsyncConnection[TupleRow]
+Work = Callable[[Conn], Awaitable[T]]
+Landed = Callable[[], Awaitable[bool]]
+
+# How many runs one claim may park before it gives up for this call.
+_MAX_PARKED_PER_CLAIM = 100
+
+# Connections say who they are in pg_stat_activity, unless the DSN names them.
+_CONNECT: dict[str, Any] = {"autocommit": True, "fallback_application_name": "asiento"}
+_CONNECT_TIMEOUT = 10
+
+
+class _CommitUnknown(Exception):
+    """The connection died during COMMIT: the transaction may or may not be recorded."""
+
+
+class PostgresCheckpointer:
+    """Journal in a PostgreSQL database, shared by any number of processes and machines.
+
+    ``dsn`` is a libpq connection string or URL; ``min_size`` and ``max_size``
+    bound the connection pool; ``timeout`` is how long to wait for a connection.
+    Error messages name the database without its password.
+    """
+
+    def __init__(
+        self, dsn: str, *, min_size: int = 1, max_size: int = 10, timeout: float = 30.0
+    ) -> None:
+        if not 0 <= min_size <= max_size or max_size < 1 or not timeout > 0:
+            raise UsageError("PostgresCheckpointer needs 0 <= min_size <= max_size, max_size >= 1")
+        self.dsn = dsn
+        self.where = redact(dsn)
+        self._connect = dict(_CONNECT)
+        if "connect_timeout" not in conninfo_to_dict(dsn):
+            self._connect["connect_timeout"] = _CONNECT_TIMEOUT
+        self._sizes = (min_size, max_size)
+        self._timeout = timeout
+        self._pool: AsyncConnectionPool[Conn] | None = None
+        self._opening: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"PostgresCheckpointer({self.where!r})"
+
+    @classmethod
+    async def connect(
+        cls, dsn: str, *, min_size: int = 1, max_size: int = 10, timeout: float = 30.0
+    ) -> Self:
+        """Construct and open a store: ``await PostgresCheckpointer.connect(dsn)``."""
+        return await cls(dsn, min_size=min_size, max_size=max_size, timeout=timeout).open()
+
+    async def open(self) -> Self:
+        """Apply missing migrations and open the pool; idempotent. Needs a running loop."""
+        if self._closed:
+            raise UsageError(f"{self!r} was closed; open a new one")
+        self._opening = self._opening or asyncio.Lock()
+        async with self._opening:
+            if self._pool is None:
+                await self._migrate()
+                self._pool = await self._open_pool()
+                self._loop = asyncio.get_running_loop()
+        return self
+
+    async def __aenter__(self) -> Self:
+        return await self.open()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    # -- the protocol ---------------------------------------------------------------------
+
+    async def append(
+        self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
+    ) -> None:
+        run_id, rows = encode_batch(events)
+        calls, inp, out = usage_of(events)
+        state = None if status is None else RunStatus(status).value
+        params = {"run_id": run_id, "status": state, "added": len(rows)}
+        params |= {"calls": calls, "inp": inp, "out": out}
+        work = partial(self._append_rows, rows, params, lease)
+        await self._exactly_once(work, partial(self._recorded, rows[0]))
+
+    async def _append_rows(
+        self, rows: list[Row], params: dict[str, Any], lease: Lease | None, conn: Conn
+    ) -> None:
+        if lease is None:
+            await conn.execute(sql.UPSERT_RUN, params)
+        else:  # the lease is checked, and extended, in the append's own transaction
+            cur = await conn.execute(
+                sql.APPEND_LEASED, params | {"token": lease.token, "owner": lease.owner}
+            )
+            if await cur.fetchone() is None:
+                raise lease_lost(lease)
+        columns = [list(column) for column in zip(*rows, strict=True)]
+        cur = await conn.execute(sql.INSERT_EVENTS, columns)
+        written = set(await cur.fetchall())
+        for run_id, step_id, phase, *_ in rows:
+            if (step_id, phase) not in written:
+                raise DuplicateRecord(run_id, step_id, phase)
+        crash_point("inside_commit")
+
+    async def _recorded(self, row: Row) -> bool:
+        """Whether exactly this record (same payload, same time) is in the journal."""
+        run_id, step_id, phase, decision, payload, created_at = row
+        found = await self._fetch(
+            "SELECT decision, payload, created_at FROM journal"
+            " WHERE run_id = %s AND step_id = %s AND phase = %s",
+            (run_id, step_id, phase),
+        )
+        return found == [(decision, payload, created_at)]
+
+    async def acquire(self, run_id: str, holder: Holder, *, ttl: float) -> Lease:
+        async def take(conn: Conn) -> Lease:
+            await conn.execute(sql.CREATE_RUN, (run_id,))
+            row = await _one(conn, sql.LOCK_RUN, (run_id,))
+            owner, host, pid, started, expires, fence, now = row
+            current = {"owner": owner, "host": host, "pid": pid, "started": started}
+            if not may_take(**current, expires=expires, holder=holder, now=now):
+                raise run_locked(run_id, host, pid, expires, now)
+            values = (holder.owner, holder.host, holder.pid, holder.started, now + ttl, ttl)
+            await conn.execute(sql.TAKE_LEASE, (*values, fence + 1, run_id))
+            return Lease(run_id=run_id, token=fence + 1, owner=holder.owner, expires=now + ttl)
+
+        return await self._idempotent(take)
+
+    async def renew(self, lease: Lease, *, ttl: float) -> Lease:
+        async def extend(conn: Conn) -> Lease:
+            await conn.execute(sql.SET_TTL, (ttl, lease.run_id, lease.token))
+            expires = await _check_lease(conn, lease)
+            return Lease(run_id=lease.run_id, token=lease.token, owner=lease.owner, expires=expires)
+
+        return await self._idempotent(extend)
+
+    async def release(self, lease: Lease, *, savings: Savings | None = None) -> None:
+        saved = savings or Savings()
+        args = (saved.calls, saved.input_tokens, saved.output_tokens, lease.run_id, lease.token)
+
+        async def give_up(conn: Conn) -> None:
+            await conn.execute(sql.RELEASE, (*args, lease.owner))
+
+        await self._idempotent(give_up)
+
+    async def load(self, run_id: str) -> list[StepEvent]:
+        rows = await self._fetch(sql.SELECT_EVENTS + " WHERE run_id = %s ORDER BY seq", (run_id,))
+        return [decode_row(run_id, row) for row in rows]
+
+    async def load_step(self, run_id: str, step_id: str) -> list[StepEvent]:
+        query = sql.SELECT_EVENTS + " WHERE run_id = %s AND step_id = %s ORDER BY seq"
+        rows = await self._fetch(query, (run_id, step_id))
+        return [decode_row(run_id, row) for row in rows]
+
+    async def final(self, run_id: str) -> StepEvent | None:
+        query = sql.SELECT_EVENTS + " WHERE run_id = %s AND step_id = %s AND phase = %s"
+        rows = await self._fetch(query, (run_id, FINAL_STEP_ID, Phase.RESULT.value))
+        return decode_row(run_id, rows[0]) if rows else None
+
+    async def set_status(
+        self, run_id: str, status: RunStatus, *, reason: str | None = None
+    ) -> None:
+        async def mark(conn: Conn) -> None:
+            cur = await conn.execute(sql.SET_STATUS, (RunStatus(status).value, reason, run_id))
+            if cur.rowcount == 0:
+                raise UsageError(f"unknown run {run_id!r} in {self.where}")
+
+        await self._idempotent(mark)
+
+    async def submit(self, run_id: str, task: str, *, agent: str = "default") -> None:
+        check_id("run_id", run_id)
+        if "\x00" in task or "\x00" in agent:
+            raise UsageError(f"run {run_id!r}: task and agent must not contain NUL characters")
+
+        async def insert(conn: Conn) -> None:
+            cur = await conn.execute(sql.SUBMIT, (run_id, task, agent))
+            if await cur.fetchone() is None:
+                raise UsageError(f"run {run_id!r} already exists in {self.where}")
+
+        async def landed() -> bool:
+            query = "SELECT task, agent FROM runs WHERE run_id = %s"
+            return await self._fetch(query, (run_id,)) == [(task, agent)]
+
+        await self._exactly_once(insert, landed)
+
+    async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
+        async def take(conn: Conn) -> Claim | None:
+            for _ in range(_MAX_PARKED_PER_CLAIM):
+                cur = await conn.execute(sql.CLAIMABLE)
+                row = await cur.fetchone()
+                if row is None:
+                    return None
+                run_id, task, agent, attempts, reason, fence, now = row
+                if attempts >= max_attempts:
+                    await conn.execute(sql.PARK, (parked_reason(attempts, reason), run_id))
+                    continue
+                values = (holder.owner, holder.host, holder.pid, holder.started, now + ttl, ttl)
+                await conn.execute(sql.TAKE_LEASE, (*values, fence + 1, run_id))
+                await conn.execute(sql.COUNT_CLAIM, (run_id,))
+                lease = Lease(run_id=run_id, token=fence + 1, owner=holder.owner, expires=now + ttl)
+                return Claim(lease=lease, task=task, agent=agent, attempts=attempts + 1)
+            return None
+
+        return await self._idempotent(take)
+
+    async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
+        if status is None:
+            rows = await self._fetch(sql.SELECT_RUNS + sql.ORDER_RUNS, ())
+        else:
+            query = sql.SELECT_RUNS + " WHERE status = %s" + sql.ORDER_RUNS
+            rows = await self._fetch(query, (RunStatus(status).value,))
+        return [run_info(row) for row in rows]
+
+    # -- connections and transactions ------------------------------------------------------
+
+    async def _transact(self, work: Work[T]) -> T:
+        """Run ``work`` in one transaction; a connection lost before COMMIT is retried once."""
+        pool = await self._ready()
+        for attempt in (1, 2):
+            with self._errors():
+                async with pool.connection() as conn:
+                    try:
+                        await conn.execute("BEGIN")
+                        result = await work(conn)
+                    except psycopg.OperationalError:
+                        if conn.broken and attempt == 1:
+                            await pool.check()
+                            continue
+                        await _rollback(conn)
+                        raise
+                    except BaseException:
+                        await _rollback(conn)
+                        raise
+                    try:
+                        await conn.execute("COMMIT")
+                    except psycopg.OperationalError as exc:
+                        if conn.broken:
+                            raise _CommitUnknown(str(exc)) from exc
+                        raise
+                    return result
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    async def _exactly_once(self, work: Work[None], landed: Landed) -> None:
+        """``_transact`` for a write that must not happen twice.
+
+        A COMMIT whose outcome is unknown is read back (``landed``) before anything
+        else; if it is not there, the write is tried once more, on a new connection.
+        """
+        try:
+            return await self._transact(work)
+        except _CommitUnknown:
+            if await self._read_back(landed):
+                return None
+        try:
+            await self._transact(work)
+        except (DuplicateRecord, UsageError):  # the lost COMMIT did land, after all?
+            if not await self._read_back(landed):
+                raise
+        except _CommitUnknown as exc:
+            if not await self._read_back(landed):
+                raise JournalError(
+                    f"{self.where}: the connection was lost twice while committing; "
+                    "nothing was written"
+                ) from exc
+        return None
+
+    async def _read_back(self, landed: Landed) -> bool:
+        try:
+            return await landed()
+        except JournalError as exc:
+            raise JournalError(
+                f"{self.where}: a COMMIT was cut off and could not be read back ({exc}); "
+                "whether it was recorded, the journal will tell when the run is resumed"
+            ) from exc
+
+    async def _idempotent(self, work: Work[T]) -> T:
+        """``_transact`` for work that may safely run twice: an unknown COMMIT is redone."""
+        try:
+            return await self._transact(work)
+        except _CommitUnknown:
+            pass
+        try:
+            return await self._transact(work)
+        except _CommitUnknown as exc:
+            raise JournalError(f"{self.where}: connection lost twice while committing") from exc
+
+    async def _fetch(self, query: str, args: Sequence[Any]) -> list[TupleRow]:
+        """One read; a connection found dead is replaced once."""
+        pool = await self._ready()
+        for attempt in (1, 2):
+            with self._errors():
+                async with pool.connection() as conn:
+                    try:
+                        cur = await conn.execute(query, args)
+                        return await cur.fetchall()
+                    except psycopg.OperationalError:
+                        if not (conn.broken and attempt == 1):
+                            raise
+                await pool.check()
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    async def _ready(self) -> AsyncConnectionPool[Conn]:
+        if self._pool is None:
+            await self.open()
+        if self._loop is not asyncio.get_running_loop():
+            raise UsageError(
+                f"{self!r} was opened in another event loop; open one store per loop "
+                "(one per asyncio.run)"
+            )
+        assert self._pool is not None
+        return self._pool
+
+    async def _open_pool(self) -> AsyncConnectionPool[Conn]:
+        (low, high), wait = self._sizes, self._timeout
+        pool = AsyncConnectionPool[Conn](
+            self.dsn, min_size=low, max_size=high, kwargs=self._connect, open=False, timeout=wait
+        )
+        try:
+            with self._errors():
+                await pool.open(wait=True, timeout=wait)
+        except BaseException:
+            await pool.close()
+            raise
+        return pool
+
+    async def _migrate(self) -> None:
+        """Bring the schema up to date in one transaction, under the migrations' lock."""
+        with self._errors():
+            conn = await AsyncConnection.connect(self.dsn, **self._connect)
+            async with conn, conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock(%s)", (sql.MIGRATION_LOCK,))
+                version = await self._schema_version(conn)
+                for number in range(version, sql.SCHEMA_VERSION):
+                    for statement in sql.MIGRATIONS[number]:
+                        await conn.execute(statement)
+                    await conn.execute(
+                        "INSERT INTO asiento_schema (version) VALUES (%s)", (number + 1,)
+                    )
+
+    async def _schema_version(self, conn: Conn) -> int:
+        journal, runs, versions = await _one(
+            conn,
+            "SELECT to_regclass('journal'), to_regclass('runs'), to_regclass('asiento_schema')",
+        )
+        if versions is None:
+            if journal is not None or runs is not None:
+                raise NotAJournal(
+                    f"{self.where} already has a table named journal or runs that asiento did "
+                    "not create; use another database, or another schema (options=-csearch_path=…)"
+                )
+            await conn.execute(sql.CREATE_VERSIONS)
+        (version,) = await _one(conn, "SELECT coalesce(max(version), 0) FROM asiento_schema")
+        if version > sql.SCHEMA_VERSION:
+            raise JournalTooNew(
+                f"{self.where} has journal schema {version}; this asiento reads up to "
+                f"{sql.SCHEMA_VERSION}. Upgrade asiento to resume these runs"
+            )
+        return int(version)
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Turn psycopg's errors into asiento's, naming the database (never its password)."""
+        try:
+            yield
+        except psycopg.errors.LockNotAvailable as exc:
+            raise JournalBusy(f"{self.where}: {_text(exc)}; another session holds a lock") from exc
+        except psycopg.OperationalError as exc:
+            raise JournalError(f"cannot use the journal at {self.where}: {_text(exc)}") from exc
+        except psycopg.Error as exc:
+            raise JournalError(f"journal at {self.where}: {_text(exc)}") from exc
+
+
+async def _check_lease(conn: Conn, lease: Lease) -> float:
+    """Extend a current lease in this transaction, or raise ``LeaseLost``."""
+    params = {"run_id": lease.run_id, "token": lease.token, "owner": lease.owner}
+    cur = await conn.execute(sql.CHECK_LEASE, params)
+    row = await cur.fetchone()
+    if row is None:
+        raise lease_lost(lease)
+    return float(row[0])
+
+
+async def _one(conn: Conn, query: str, args: Sequence[Any] = ()) -> TupleRow:
+    cur = await conn.execute(query, args)
+    row = await cur.fetchone()
+    assert row is not None, query
+    return row
+
+
+async def _rollback(conn: Conn) -> None:
+    if conn.broken or conn.closed:
+        return
+    with contextlib.suppress(psycopg.Error):  # the pool drops a connection it cannot reset
+        await conn.execute("ROLLBACK")
+
+
+def _text(exc: psycopg.Error) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def redact(dsn: str) -> str:
+    """The DSN as error messages show it: every parameter but the password."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise UsageError(f"not a PostgreSQL connection string or URL: {_text(exc)}") from exc
+    params.pop("password", None)
+    return make_conninfo("", **params)
