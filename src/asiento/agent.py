@@ -32,6 +32,7 @@ from .events import (
     StepEvent,
     ToolStep,
 )
+from .journal.base import MAX_RECORD_BYTES
 from .model import Message, ModelRequest, ModelResponse, ToolCall, check_response
 from .policy import Policy, allow_all, ask_policy
 from .replay import Action, Records, StepState, decide, step_state
@@ -500,12 +501,14 @@ def _ok(value: Any) -> dict[str, Any]:
     try:
         _refuse_sets(value)
         jsonable = to_jsonable_python(value)
-        canonical_json(jsonable)
+        size = len(canonical_json(jsonable))
+        if size > MAX_RECORD_BYTES - 1024:
+            raise ValueError(f"{size:,} bytes, over the journal's limit of {MAX_RECORD_BYTES:,}")
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"[:500]
         return {
             "status": "error",
-            "error": f"the tool's result is not JSON-serialisable ({reason})",
+            "error": f"the tool's result cannot be recorded ({reason})",
         }
     return {"status": "ok", "value": jsonable}
 

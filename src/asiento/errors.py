@@ -7,6 +7,7 @@
     │   ├── NotAJournal         the file is not an asiento journal (or not SQLite at all)
     │   ├── JournalCorrupt      the journal file is damaged; it is never overwritten
     │   ├── JournalBusy         another process held the write lock past the timeout
+    │   ├── RecordTooLarge      a record's payload is over the journal's size limit
     │   ├── JournalTooNew       the journal was written by a newer asiento
     │   ├── RunLocked           another session holds the run's lease
     │   ├── LeaseLost           this session's lease expired or was taken over: it writes nothing
@@ -55,6 +56,10 @@ class JournalCorrupt(JournalError):
 
 class JournalBusy(JournalError):
     """Another process kept the journal locked longer than the timeout."""
+
+
+class RecordTooLarge(JournalError):
+    """A record's JSON payload is larger than ``MAX_RECORD_BYTES``; nothing was written."""
 
 
 class JournalTooNew(JournalError):

@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from ..errors import JournalCorrupt, LeaseLost, RunLocked, UsageError
+from ..errors import JournalCorrupt, LeaseLost, RecordTooLarge, RunLocked, UsageError
 from ..events import Claim, Decision, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder, is_dead_here
 
@@ -88,6 +88,10 @@ class Checkpointer(Protocol):
 
 
 Row = tuple[str, str, str, str | None, str, float]
+
+# The largest JSON payload one record may hold. Tool results above it are recorded
+# as a failure of the step (the tool ran once; its result is too large to keep).
+MAX_RECORD_BYTES = 32 * 1024 * 1024
 
 
 def may_take(
@@ -204,6 +208,11 @@ def _encode(event: StepEvent) -> Row:
         raise UsageError(
             f"run {event.run_id!r} step {event.step_id!r} {event.phase}: payload is not JSON: {exc}"
         ) from exc
+    if len(payload) > MAX_RECORD_BYTES:
+        raise RecordTooLarge(
+            f"run {event.run_id!r} step {event.step_id!r} {event.phase}: the payload is "
+            f"{len(payload):,} bytes; the limit is {MAX_RECORD_BYTES:,}. Nothing was written"
+        )
     decision = None if event.decision is None else str(event.decision)
     return (event.run_id, event.step_id, str(event.phase), decision, payload, event.created_at)
 
