@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from typing import Any
+from urllib.parse import quote
 
 
 def canonical_json(obj: Any) -> str:
@@ -48,3 +49,12 @@ class FingerprintChain:
     def add(self, item: Any) -> str:
         self.value = sha256_hex(self.value + canonical_json(item))
         return self.value
+
+
+def key_header(idempotency_key: str) -> dict[str, str]:
+    """The ``Idempotency-Key`` header; a key outside plain ASCII is percent-encoded.
+
+    HTTP header values cannot carry arbitrary Unicode or line breaks, and the
+    encoding is deterministic, so a resumed process sends the very same header.
+    """
+    return {"Idempotency-Key": quote(idempotency_key, safe="!#$&'()*+,./:;=?@[]^_`{|}~-")}

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import httpx
 
+from .._canonical import key_header
 from .base import Effect, EffectRejected, IdempotencyKeyConflict, Published
 
 _TRANSIENT = frozenset({408, 409, 425, 429})
@@ -43,7 +44,7 @@ class HttpEffect(Effect):
         self._timeout = timeout
 
     async def publish(self, payload: Any, idem_key: str) -> Published:
-        headers = {"Idempotency-Key": idem_key}
+        headers = key_header(idem_key)
         async with self._session() as client:
             for attempt in range(1, self.max_attempts + 1):
                 last = attempt == self.max_attempts

@@ -1,0 +1,175 @@
+"""Why a model call failed, said once for every provider; and what the gateways share.
+
+    RunError
+    └── ModelCallFailed          a model step got no answer that can be recorded
+        ├── ModelRequestRejected the provider said the request is wrong (a 4xx): fix, resume
+        ├── ModelUnavailable     rate limits, 5xx or the network outlasted the retries: resume
+        └── ModelResponseInvalid the answer cannot be parsed: it is never recorded
+
+None of them records anything: the step stays without a result, so running
+the same ``run_id`` again resumes exactly there, with the same idempotency key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from .._crash import crash_point
+from ..errors import RunError, UsageError
+from ..model import ModelResponse, Usage
+
+#: Statuses that mean "later" (as do 5xx): when they outlast the retries, ModelUnavailable.
+TRANSIENT_STATUSES = frozenset({408, 409, 425, 429})
+
+
+class ModelCallFailed(RunError):
+    """A model step could not get an answer to record. Nothing was recorded."""
+
+    def __init__(
+        self,
+        idempotency_key: str,
+        detail: str,
+        *,
+        status: int | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        self.run_id, self.step_id = split_key(idempotency_key)
+        self.idempotency_key, self.status, self.request_id = idempotency_key, status, request_id
+        super().__init__(f"run {self.run_id!r} step {self.step_id!r}: {detail}")
+
+
+class ModelRequestRejected(ModelCallFailed):
+    """The provider refused the request as wrong (4xx): retrying it unchanged cannot help."""
+
+
+class ModelUnavailable(ModelCallFailed):
+    """Rate limits, server errors or the network outlasted the retries."""
+
+
+class ModelResponseInvalid(ModelCallFailed):
+    """The provider answered with something that cannot be recorded and replayed."""
+
+
+def split_key(idempotency_key: str) -> tuple[str, str]:
+    """(run_id, step_id) from ``run_id:step_id:fingerprint``; run ids may hold colons."""
+    parts = idempotency_key.rsplit(":", 2)
+    if len(parts) != 3:
+        return "?", idempotency_key
+    return parts[0], parts[1]
+
+
+def rejected(
+    provider: str, key: str, status: int, message: str, request_id: str | None
+) -> ModelRequestRejected:
+    """The error for a 4xx answer: what was refused, and that a fix then a resume is the way."""
+    what = _reused_key_hint(message) or "fix the request (model name, API key, options)"
+    return ModelRequestRejected(
+        key,
+        f"{provider} refused the model request ({status}: {_short(message)}). Nothing was "
+        f"recorded for this step; {what}, then run the same run_id again to resume here",
+        status=status,
+        request_id=request_id,
+    )
+
+
+def unavailable(
+    provider: str, key: str, cause: str, *, status: int | None = None, request_id: str | None = None
+) -> ModelUnavailable:
+    """The error when retries ran out: nothing recorded, resume later with the same key."""
+    return ModelUnavailable(
+        key,
+        f"{provider} gave no answer after its retries ({_short(cause)}). Nothing was recorded "
+        "for this step; run the same run_id again later to resume here (the request carries "
+        "the same idempotency key)",
+        status=status,
+        request_id=request_id,
+    )
+
+
+def invalid(provider: str, key: str, detail: str, request_id: str | None) -> ModelResponseInvalid:
+    """The error for an answer that cannot be recorded; the step stays unanswered."""
+    return ModelResponseInvalid(
+        key,
+        f"{provider} answered with something that cannot be recorded ({_short(detail)}). "
+        "It was not recorded; run the same run_id again to ask for this step again",
+        request_id=request_id,
+    )
+
+
+def status_error(provider: str, key: str, exc: Any) -> ModelCallFailed:
+    """Translate an SDK ``APIStatusError`` (after the SDK's own retries) into our tree."""
+    status = int(exc.status_code)
+    request_id = getattr(exc, "request_id", None)
+    message = str(exc.message)
+    if status in TRANSIENT_STATUSES or status >= 500:
+        cause = f"{status}: {message}"
+        return unavailable(provider, key, cause, status=status, request_id=request_id)
+    return rejected(provider, key, status, message, request_id)
+
+
+def parse_body(provider: str, key: str, content: bytes, request_id: str | None) -> dict[str, Any]:
+    """The answer's JSON object, or ``ModelResponseInvalid``."""
+    try:
+        body = json.loads(content)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid(provider, key, f"the body is not JSON: {exc}", request_id) from None
+    if not isinstance(body, dict):
+        raise invalid(provider, key, "the body is not a JSON object", request_id)
+    return body
+
+
+def arguments(provider: str, key: str, raw: Any, request_id: str | None) -> dict[str, Any]:
+    """Tool-call arguments as a JSON object; arguments sent as text are decoded."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            detail = f"tool-call arguments are not valid JSON (cut short?): {raw[:80]!r}"
+            raise invalid(provider, key, detail, request_id) from None
+    if not isinstance(raw, Mapping):
+        raise invalid(provider, key, "tool-call arguments are not a JSON object", request_id)
+    return dict(raw)
+
+
+def answered(response: ModelResponse) -> ModelResponse:
+    """Hand the parsed answer back; a test may kill the process here (paid, not recorded)."""
+    crash_point("inside_model_call")
+    return response
+
+
+def usage_from(usage: Any, input_field: str, output_field: str) -> Usage:
+    """Tokens as the provider reported them; a missing or odd figure counts as 0."""
+    if not isinstance(usage, Mapping):
+        return Usage()
+    return Usage(
+        input_tokens=_count(usage.get(input_field)), output_tokens=_count(usage.get(output_field))
+    )
+
+
+def nonempty(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def sdk_missing(package: str, extra: str) -> UsageError:
+    return UsageError(f"this gateway needs the {package!r} package: pip install 'asiento[{extra}]'")
+
+
+def _reused_key_hint(message: str) -> str:
+    if "idempotency" not in message.lower():
+        return ""
+    return (
+        "the idempotency gateway already holds an answer for this step made from another "
+        "request body (the model or its options changed since the step was sent); resume "
+        "with the original model and options, or let the key expire"
+    )
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _short(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,304 @@
+"""``OpenAIGateway``: OpenAI (Chat Completions or Responses) and OpenAI-compatible servers.
+
+Built on the official ``openai`` SDK, imported only when a gateway is made.
+Every attempt, the SDK's own retries included, carries the step's key in the
+``Idempotency-Key`` header: the SDK reuses a request's headers on each retry.
+OpenAI ignores the header; the journal and ``asiento gateway`` honour it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+from .._canonical import key_header
+from ..errors import UsageError
+from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema
+from ._errors import (
+    answered,
+    arguments,
+    invalid,
+    nonempty,
+    parse_body,
+    sdk_missing,
+    status_error,
+    unavailable,
+    usage_from,
+)
+
+if TYPE_CHECKING:
+    from openai import AsyncOpenAI
+
+Api = Literal["chat", "responses"]
+
+
+class OpenAIGateway:
+    """Reach a model through the OpenAI API, or any server that speaks it (``base_url``).
+
+    ``api="chat"`` uses Chat Completions (what OpenAI-compatible servers such as
+    vLLM, llama.cpp, Ollama and LiteLLM speak); ``api="responses"`` uses the
+    Responses API (``store=False``: the journal, not the provider, keeps the
+    conversation). ``options`` are extra ``create()`` parameters (temperature,
+    max_completion_tokens, ...). Pass ``client`` to use an ``AsyncOpenAI`` of
+    your own (its retries and timeout then apply); otherwise one is made from
+    ``base_url``, ``api_key`` (default: the SDK's ``OPENAI_API_KEY``),
+    ``max_retries`` and ``timeout``, and ``aclose()`` closes it.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        api: Api = "chat",
+        client: AsyncOpenAI | None = None,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        max_retries: int = 2,
+        timeout: float = 600.0,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(model, str) or not model:
+            raise UsageError("OpenAIGateway(model) must be a non-empty str, such as 'gpt-4o'")
+        if api not in ("chat", "responses"):
+            raise UsageError(f"OpenAIGateway(api=...) is 'chat' or 'responses', got {api!r}")
+        self.model, self.api = model, api
+        self.options = dict(options or {})
+        self._owned = client is None
+        self.client = client or _make_client(base_url, api_key, max_retries, timeout)
+        url = str(self.client.base_url)
+        official = "api.openai.com" in url
+        self.provider = "OpenAI" if official else f"the OpenAI-compatible server at {url}"
+
+    async def complete(self, request: ModelRequest, *, idempotency_key: str) -> ModelResponse:
+        """Ask once (the SDK retries transient failures with the same key); parse strictly."""
+        import openai
+
+        headers = key_header(idempotency_key)
+        try:
+            if self.api == "chat":
+                raw = await self.client.chat.completions.with_raw_response.create(
+                    **self._chat_params(request), extra_headers=headers
+                )
+            else:
+                raw = await self.client.responses.with_raw_response.create(
+                    **self._responses_params(request), extra_headers=headers
+                )
+        except openai.APIStatusError as exc:
+            raise status_error(self.provider, idempotency_key, exc) from exc
+        except openai.APIConnectionError as exc:
+            raise unavailable(self.provider, idempotency_key, str(exc)) from exc
+        body = parse_body(self.provider, idempotency_key, raw.http_response.content, raw.request_id)
+        request_id = raw.request_id or nonempty(body.get("id"))
+        parse = parse_chat if self.api == "chat" else parse_responses
+        response = parse(body, provider=self.provider, key=idempotency_key, request_id=request_id)
+        return answered(response)
+
+    def _chat_params(self, request: ModelRequest) -> dict[str, Any]:
+        params: dict[str, Any] = {"model": self.model, "messages": chat_messages(request)}
+        if request.tools:
+            params["tools"] = chat_tools(request.tools)
+        return params | self.options
+
+    def _responses_params(self, request: ModelRequest) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "model": self.model,
+            "input": responses_input(request.messages),
+            "store": False,
+        }
+        if request.instructions:
+            params["instructions"] = request.instructions
+        if request.tools:
+            params["tools"] = responses_tools(request.tools)
+        return params | self.options
+
+    async def aclose(self) -> None:
+        """Close the SDK client if this gateway made it."""
+        if self._owned:
+            await self.client.close()
+
+    async def __aenter__(self) -> OpenAIGateway:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"OpenAIGateway({self.model!r}, api={self.api!r}, base_url={self.client.base_url!s})"
+
+
+def _make_client(
+    base_url: str | None, api_key: str | None, max_retries: int, timeout: float
+) -> AsyncOpenAI:
+    try:
+        import openai
+    except ImportError:
+        raise sdk_missing("openai", "openai") from None
+    try:
+        return openai.AsyncOpenAI(
+            api_key=api_key, base_url=base_url, max_retries=max_retries, timeout=timeout
+        )
+    except openai.OpenAIError as exc:
+        raise UsageError(f"cannot make the OpenAI client: {exc}") from exc
+
+
+# -- Chat Completions -------------------------------------------------------------------
+
+
+def chat_messages(request: ModelRequest) -> list[dict[str, Any]]:
+    """The conversation in Chat Completions form; instructions become the system message."""
+    out: list[dict[str, Any]] = []
+    if request.instructions:
+        out.append({"role": "system", "content": request.instructions})
+    for message in request.messages:
+        out.append(_chat_message(message))
+    return out
+
+
+def _chat_message(message: Message) -> dict[str, Any]:
+    if message.role == "tool":
+        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content}
+    if message.role == "assistant" and message.tool_calls:
+        calls = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": _dumps(call.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+        return {"role": "assistant", "content": message.content or None, "tool_calls": calls}
+    return {"role": message.role, "content": message.content}
+
+
+def chat_tools(tools: Sequence[ToolSchema]) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description,
+                "parameters": dict(t.parameters),
+            },
+        }
+        for t in tools
+    ]
+
+
+def parse_chat(
+    body: Mapping[str, Any], *, provider: str, key: str, request_id: str | None
+) -> ModelResponse:
+    """A Chat Completion as a ``ModelResponse``; what cannot be recorded raises."""
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise invalid(provider, key, "the answer has no choices", request_id)
+    message = choices[0].get("message")
+    if not isinstance(message, dict):
+        raise invalid(provider, key, "the first choice has no message", request_id)
+    text = message.get("content") or message.get("refusal") or ""
+    if not isinstance(text, str):
+        raise invalid(provider, key, "the message content is not text", request_id)
+    calls = [_chat_call(c, provider, key, request_id) for c in message.get("tool_calls") or ()]
+    usage = body.get("usage") or {}
+    return ModelResponse(
+        text=text,
+        tool_calls=calls,
+        usage=usage_from(usage, "prompt_tokens", "completion_tokens"),
+        model=nonempty(body.get("model")) or "",
+        request_id=request_id,
+    )
+
+
+def _chat_call(call: Any, provider: str, key: str, request_id: str | None) -> ToolCall:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise invalid(provider, key, "a tool call has no function name", request_id)
+    args = arguments(provider, key, function.get("arguments", ""), request_id)
+    return ToolCall(name=function["name"], arguments=args, id=nonempty(call.get("id")) or "")
+
+
+# -- Responses ---------------------------------------------------------------------------
+
+
+def responses_input(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """The conversation as Responses input items (messages, function calls, their outputs)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.role == "tool":
+            out.append(
+                {"type": "function_call_output", "call_id": m.tool_call_id, "output": m.content}
+            )
+            continue
+        if m.content or not m.tool_calls:
+            out.append({"role": m.role, "content": m.content})
+        out.extend(
+            {
+                "type": "function_call",
+                "call_id": c.id,
+                "name": c.name,
+                "arguments": _dumps(c.arguments),
+            }
+            for c in m.tool_calls
+        )
+    return out
+
+
+def responses_tools(tools: Sequence[ToolSchema]) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "function",
+            "name": t.name,
+            "description": t.description,
+            "parameters": dict(t.parameters),
+            "strict": False,
+        }
+        for t in tools
+    ]
+
+
+def parse_responses(
+    body: Mapping[str, Any], *, provider: str, key: str, request_id: str | None
+) -> ModelResponse:
+    """A Responses answer as a ``ModelResponse``; what cannot be recorded raises."""
+    output = body.get("output")
+    if not isinstance(output, list):
+        raise invalid(provider, key, "the answer has no output list", request_id)
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    for item in output:
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "message":
+            texts.extend(_output_texts(item.get("content"), provider, key, request_id))
+        elif kind == "function_call":
+            calls.append(_responses_call(item, provider, key, request_id))
+    return ModelResponse(
+        text="".join(texts),
+        tool_calls=calls,
+        usage=usage_from(body.get("usage") or {}, "input_tokens", "output_tokens"),
+        model=nonempty(body.get("model")) or "",
+        request_id=request_id,
+    )
+
+
+def _output_texts(content: Any, provider: str, key: str, request_id: str | None) -> list[str]:
+    if not isinstance(content, list):
+        raise invalid(provider, key, "an output message has no content list", request_id)
+    return [
+        str(part.get("text", ""))
+        for part in content
+        if isinstance(part, dict) and part.get("type") == "output_text"
+    ]
+
+
+def _responses_call(item: dict[str, Any], provider: str, key: str, rid: str | None) -> ToolCall:
+    if not isinstance(item.get("name"), str):
+        raise invalid(provider, key, "a function call has no name", rid)
+    args = arguments(provider, key, item.get("arguments", ""), rid)
+    return ToolCall(name=item["name"], arguments=args, id=nonempty(item.get("call_id")) or "")
+
+
+def _dumps(args: Mapping[str, Any]) -> str:
+    return json.dumps(dict(args), ensure_ascii=False)

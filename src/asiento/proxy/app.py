@@ -1,0 +1,452 @@
+"""``asiento gateway``: an OpenAI-compatible proxy that honours ``Idempotency-Key`` durably.
+
+OpenAI and Anthropic ignore idempotency keys, so a process killed after sending
+a model request and before recording its answer pays for that answer again on
+resume. Put this proxy between the gateway and the provider and it does not:
+
+- a ``POST`` to ``/v1/chat/completions``, ``/v1/responses`` or ``/v1/messages``
+  with an ``Idempotency-Key`` is claimed in SQLite (committed) before it goes
+  upstream, and its answer is committed before it is returned;
+- the same key again gets the stored answer (``Idempotent-Replayed: true``),
+  and the provider is not called;
+- the same key while its request is in flight waits for that answer (up to
+  ``wait`` seconds, then ``409`` with ``Retry-After``, which the SDKs retry);
+- the same key with another body is refused with ``422``
+  (``idempotency_key_reused``), never answered with the other body's answer;
+- keys expire ``ttl`` seconds after their first use.
+
+The upstream call belongs to the proxy, not to the client's connection: a
+client killed mid-request does not cancel it, and its answer is kept for the
+resumed run. Only answers a gateway could record are kept (a 2xx that parses);
+errors pass through and release the key, so a retry calls upstream again.
+Everything else (other paths, no key) is forwarded as it is. Keys are scoped by
+the credentials that sent them (a hash of ``Authorization`` / ``x-api-key``),
+so two tenants of one proxy never see each other's answers.
+
+An in-flight claim holds a lease: a claim whose proxy process died on this
+host is taken over at once; one from another host once its lease runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import socket
+import sqlite3
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from .._canonical import canonical_json, sha256_hex
+from ..errors import AsientoError
+from ..gateways._errors import ModelResponseInvalid
+from ..gateways.anthropic import parse_message
+from ..gateways.openai import parse_chat, parse_responses
+from ..lease import Holder, is_dead_here
+
+DEFAULT_PORT = 8787
+DEFAULT_TTL = 24 * 3600.0
+DEFAULT_UPSTREAM = "https://api.openai.com/v1"
+POLL = 0.05
+KEY_STORE_ID = 0x41534E50  # "ASNP": PRAGMA application_id of a key store ("ASNT" is a journal)
+PARSERS = {
+    "/v1/chat/completions": parse_chat,
+    "/v1/responses": parse_responses,
+    "/v1/messages": parse_message,
+}
+# Hop-by-hop and framing headers are the connection's, never forwarded; httpx decodes
+# the body, so content-encoding and content-length no longer describe what we send.
+_REQUEST_DROP = frozenset(
+    {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
+     "trailer", "upgrade", "accept-encoding", "proxy-authorization", "proxy-connection"}
+)  # fmt: skip
+_RESPONSE_DROP = frozenset(
+    {"content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive",
+     "date", "server", "set-cookie"}
+)  # fmt: skip
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    scope TEXT NOT NULL,
+    key TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('in_flight', 'done')),
+    status INTEGER,
+    headers TEXT,
+    body BLOB,
+    created_at REAL NOT NULL,
+    owner TEXT NOT NULL,
+    owner_host TEXT NOT NULL,
+    owner_pid INTEGER NOT NULL,
+    owner_started TEXT NOT NULL,
+    lease_until REAL NOT NULL,
+    PRIMARY KEY (scope, key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_keys_created ON idempotency_keys (created_at);
+"""
+
+
+class ProxyError(AsientoError):
+    """The idempotency proxy cannot start or use its key store."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """An answer kept under a key: what the client gets again."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What a key holds when a request for it arrives."""
+
+    kind: Literal["new", "done", "in_flight", "conflict"]
+    stored: Stored | None = None
+
+
+class KeyStore:
+    """The proxy's SQLite file: one row per (credential scope, idempotency key).
+
+    Every write is one ``BEGIN IMMEDIATE`` transaction with ``synchronous=FULL``:
+    a claim is on disk before the request goes upstream, an answer before it is
+    returned. One connection, used from worker threads under a lock.
+    """
+
+    def __init__(self, path: str | Path, *, ttl: float, lease: float, holder: Holder) -> None:
+        self.path, self.ttl, self.lease, self.holder = Path(path), ttl, lease, holder
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(
+                self.path, isolation_level=None, check_same_thread=False, timeout=10.0
+            )
+            self._check_identity()
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+            self._db.execute(f"PRAGMA application_id = {KEY_STORE_ID}")
+        except sqlite3.Error as exc:
+            raise ProxyError(f"cannot open the key store {self.path}: {exc}") from exc
+
+    def _check_identity(self) -> None:
+        """Refuse a database that is not a key store (a run journal given by mistake)."""
+        app_id = self._db.execute("PRAGMA application_id").fetchone()[0]
+        others = self._db.execute(
+            "SELECT count(*) FROM sqlite_master WHERE name != 'idempotency_keys'"
+            " AND name NOT LIKE 'idempotency_keys%' AND name NOT LIKE 'sqlite_%'"
+        ).fetchone()[0]
+        if app_id != KEY_STORE_ID and (app_id != 0 or others):
+            self._db.close()
+            raise ProxyError(
+                f"{self.path} is not an asiento gateway key store (it holds other data, "
+                "perhaps a run journal); give the proxy a file of its own"
+            )
+
+    def claim(self, scope: str, key: str, fingerprint: str) -> Claim:
+        """Take the key for this request, or say who has it. Atomic against rival proxies."""
+        now = time.time()
+        with self._transaction() as db:
+            db.execute(
+                "DELETE FROM idempotency_keys WHERE state = 'done' AND created_at <= ?",
+                (now - self.ttl,),
+            )
+            row = db.execute(
+                "SELECT fingerprint, state, status, headers, body, owner_host, owner_pid,"
+                " owner_started, lease_until FROM idempotency_keys WHERE scope = ? AND key = ?",
+                (scope, key),
+            ).fetchone()
+            if row is None:
+                db.execute(
+                    "INSERT INTO idempotency_keys (scope, key, fingerprint, state, created_at,"
+                    " owner, owner_host, owner_pid, owner_started, lease_until)"
+                    " VALUES (?, ?, ?, 'in_flight', ?, ?, ?, ?, ?, ?)",
+                    (scope, key, fingerprint, now, *self._owner(now)),
+                )
+                return Claim("new")
+            return self._existing(db, row, (scope, key), fingerprint, now)
+
+    def _existing(
+        self, db: sqlite3.Connection, row: Any, ident: tuple[str, str], fp: str, now: float
+    ) -> Claim:
+        recorded_fp, state, status, headers, body, host, pid, started, lease_until = row
+        if recorded_fp != fp:
+            return Claim("conflict")
+        if state == "done":
+            return Claim("done", Stored(status, json.loads(headers), bytes(body)))
+        if lease_until > now and not is_dead_here(host, pid, started):
+            return Claim("in_flight")
+        db.execute(
+            "UPDATE idempotency_keys SET owner = ?, owner_host = ?, owner_pid = ?,"
+            " owner_started = ?, lease_until = ? WHERE scope = ? AND key = ?",
+            (*self._owner(now), *ident),
+        )
+        return Claim("new")
+
+    def finish(self, scope: str, key: str, answer: Stored) -> None:
+        """Keep the answer under the key, if this proxy still holds the claim."""
+        with self._transaction() as db:
+            db.execute(
+                "UPDATE idempotency_keys SET state = 'done', status = ?, headers = ?, body = ?"
+                " WHERE scope = ? AND key = ? AND owner = ? AND state = 'in_flight'",
+                (answer.status, json.dumps(answer.headers), answer.body, scope, key,
+                 self.holder.owner),
+            )  # fmt: skip
+
+    def release(self, scope: str, key: str) -> None:
+        """Give the key up (no answer worth keeping), if this proxy still holds it."""
+        with self._transaction() as db:
+            db.execute(
+                "DELETE FROM idempotency_keys WHERE scope = ? AND key = ? AND owner = ?"
+                " AND state = 'in_flight'",
+                (scope, key, self.holder.owner),
+            )
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _owner(self, now: float) -> tuple[str, str, int, str, float]:
+        h = self.holder
+        return (h.owner, h.host, h.pid, h.started, now + self.lease)
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+
+@dataclass(slots=True)
+class ProxyStats:
+    """What the proxy did since it started: calls it made upstream and answers it replayed."""
+
+    upstream_calls: int = 0
+    replayed: int = 0
+    conflicts: int = 0
+
+
+class IdempotencyProxy:
+    """The request handling behind ``create_app``: forward, or claim / replay / wait / refuse."""
+
+    def __init__(
+        self, upstream: str, store: KeyStore, client: httpx.AsyncClient, *, wait: float
+    ) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.store, self.client, self.wait = store, client, wait
+        self.stats = ProxyStats()
+        self._tasks: set[asyncio.Task[Response]] = set()
+
+    async def handle(self, request: Request) -> Response:
+        path = request.url.path
+        if path != "/v1" and not path.startswith("/v1/"):
+            return _error(404, f"no route {path}; the proxy serves /v1/...", "not_found")
+        body = await request.body()
+        key = request.headers.get("idempotency-key")
+        if request.method != "POST" or not key or path not in PARSERS:
+            return await self._forward(request, body)
+        # The proxy's own task, not the client's: a client that dies cancels neither the
+        # claim nor the upstream call, and the answer is kept for the resumed run.
+        task = asyncio.create_task(self._deduplicated(request, body, key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def _deduplicated(self, request: Request, body: bytes, key: str) -> Response:
+        scope = _scope(request.headers)
+        fp = _fingerprint(request.url.path, body)
+        deadline = time.monotonic() + self.wait
+        while True:
+            claim = await asyncio.to_thread(self.store.claim, scope, key, fp)
+            if claim.kind == "new":
+                return await self._fetch_and_keep(request, body, scope, key)
+            if claim.kind == "done" and claim.stored is not None:
+                self.stats.replayed += 1
+                headers = claim.stored.headers | {"idempotent-replayed": "true"}
+                return Response(claim.stored.body, claim.stored.status, headers=headers)
+            if claim.kind == "conflict":
+                self.stats.conflicts += 1
+                return _reused(key)
+            if time.monotonic() >= deadline:
+                return _still_in_flight(key)
+            await asyncio.sleep(POLL)
+
+    async def _fetch_and_keep(
+        self, request: Request, body: bytes, scope: str, key: str
+    ) -> Response:
+        try:
+            answer = await self._send(request, body)
+        except BaseException:
+            await asyncio.to_thread(self.store.release, scope, key)
+            raise
+        if isinstance(answer, Stored) and _recordable(request.url.path, answer):
+            await asyncio.to_thread(self.store.finish, scope, key, answer)
+        else:
+            await asyncio.to_thread(self.store.release, scope, key)
+        return _response(answer)
+
+    async def _forward(self, request: Request, body: bytes) -> Response:
+        return _response(await self._send(request, body))
+
+    async def _send(self, request: Request, body: bytes) -> Stored | Response:
+        """One upstream call; a network failure is a 502 the SDKs retry."""
+        url = self.upstream + request.url.path.removeprefix("/v1")
+        if request.url.query:
+            url += "?" + request.url.query
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _REQUEST_DROP}
+        self.stats.upstream_calls += 1
+        try:
+            upstream = await self.client.request(request.method, url, content=body, headers=headers)
+        except httpx.HTTPError as exc:
+            return _error(502, f"upstream {url} failed: {type(exc).__name__}: {exc}", "upstream")
+        kept = {k: v for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_DROP}
+        return Stored(upstream.status_code, kept, upstream.content)
+
+    async def drain(self) -> None:
+        """Let upstream calls in flight finish and keep their answers (shutdown)."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=self.wait)
+
+
+def create_app(
+    upstream: str = DEFAULT_UPSTREAM,
+    *,
+    db: str | Path,
+    ttl: float = DEFAULT_TTL,
+    wait: float = 600.0,
+    upstream_timeout: float = 600.0,
+) -> Starlette:
+    """The proxy as an ASGI app; ``app.state.proxy`` is its ``IdempotencyProxy`` once started.
+
+    ``upstream`` is the base URL an SDK would be given (``https://api.openai.com/v1``,
+    ``https://api.anthropic.com/v1``, ``http://localhost:11434/v1``): a request for
+    ``/v1/chat/completions`` goes to ``{upstream}/chat/completions``.
+    """
+    if ttl <= 0 or wait <= 0 or upstream_timeout <= 0:
+        raise ProxyError("ttl, wait and upstream_timeout must be positive numbers of seconds")
+    lease = upstream_timeout + 30.0
+    KeyStore(db, ttl=ttl, lease=lease, holder=Holder.here()).close()  # a bad file fails here
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        store = KeyStore(db, ttl=ttl, lease=lease, holder=Holder.here())
+        timeout = httpx.Timeout(upstream_timeout, connect=30.0)
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            proxy = IdempotencyProxy(upstream, store, client, wait=wait)
+            app.state.proxy = proxy
+            try:
+                yield
+            finally:
+                await proxy.drain()
+                store.close()
+
+    async def endpoint(request: Request) -> Response:
+        proxy: IdempotencyProxy = request.app.state.proxy
+        return await proxy.handle(request)
+
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+    routes = [Route("/{path:path}", endpoint, methods=methods)]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def serve(
+    upstream: str = DEFAULT_UPSTREAM,
+    *,
+    db: str | Path,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    ttl: float = DEFAULT_TTL,
+    wait: float = 600.0,
+    upstream_timeout: float = 600.0,
+    log_level: str = "warning",
+) -> None:
+    """Run the proxy until interrupted; print the URL clients use (``port=0``: a free one)."""
+    import uvicorn
+
+    app = create_app(upstream, db=db, ttl=ttl, wait=wait, upstream_timeout=upstream_timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)  # connectable from the moment the URL is printed
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"asiento gateway: http://{shown}:{bound}/v1 -> {upstream} (keys in {db}, ttl {ttl:g}s)",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=int(wait))
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _recordable(path: str, answer: Stored) -> bool:
+    """Keep only what a gateway could record: a 2xx whose body it can parse."""
+    if not 200 <= answer.status < 300:
+        return False
+    if "text/event-stream" in answer.headers.get("content-type", ""):
+        return True
+    try:
+        body = json.loads(answer.body)
+        if isinstance(body, dict):
+            PARSERS[path](body, provider="upstream", key="proxy", request_id=None)
+            return True
+    except (ValueError, UnicodeDecodeError, ModelResponseInvalid):
+        pass
+    return False
+
+
+def _response(answer: Stored | Response) -> Response:
+    if isinstance(answer, Response):
+        return answer
+    return Response(answer.body, answer.status, headers=answer.headers)
+
+
+def _scope(headers: Mapping[str, str]) -> str:
+    """Which credentials sent the key; keys of different credentials never meet."""
+    who = headers.get("authorization", "") + "\n" + headers.get("x-api-key", "")
+    return sha256_hex(who)[:16]
+
+
+def _fingerprint(path: str, body: bytes) -> str:
+    """The request as sent; equal JSON in another key order or spacing is the same request."""
+    try:
+        return sha256_hex(path + "\n" + canonical_json(json.loads(body)))
+    except (ValueError, UnicodeDecodeError):
+        return path + "\n" + hashlib.sha256(body).hexdigest()
+
+
+def _error(status: int, message: str, code: str, **headers: str) -> JSONResponse:
+    kind = "idempotency_error" if status in (409, 422) else "proxy_error"
+    body = {"error": {"message": message, "type": kind, "code": code}}
+    return JSONResponse(body, status, headers=headers)
+
+
+def _reused(key: str) -> JSONResponse:
+    message = (
+        f"Idempotency-Key {key!r} was already used with a different request body; "
+        "a key names one request. Send the original body, or use a new key"
+    )
+    return _error(422, message, "idempotency_key_reused", **{"x-should-retry": "false"})
+
+
+def _still_in_flight(key: str) -> JSONResponse:
+    message = f"the request with Idempotency-Key {key!r} is still in flight; retry shortly"
+    return _error(409, message, "request_in_flight", **{"retry-after": "1"})

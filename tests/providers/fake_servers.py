@@ -1,0 +1,511 @@
+"""Model providers on 127.0.0.1 that the official SDKs talk to over real HTTP.
+
+``FakeProvider`` speaks OpenAI Chat Completions (``/v1/chat/completions``),
+OpenAI Responses (``/v1/responses``) and Anthropic Messages (``/v1/messages``).
+Like ``ScriptedGateway`` it answers turn N (the number of assistant turns
+already in the request) with ``script[N]``, so a resumed process is answered
+the same. It checks each request the way the real API would (roles, tool-call
+ids answered by tool results, Anthropic's alternation) and refuses a malformed
+one with 400, counts billable generations (with the Idempotency-Key each was
+made for) and records every request's headers. Knobs: ``fail_next`` (429 /
+500 / 400 ...), ``delay_turn`` (the generation is counted, the answer comes
+late), ``garble_next`` (a 200 whose body cannot be parsed, still billed).
+
+``AsgiServer`` runs an ASGI app (the idempotency proxy) with uvicorn in a thread.
+
+Run as a script, this file is the crash tests' child process: one pass of the
+crash agent (``CHILD_SCRIPT``) through an ``OpenAIGateway``, with the outcome as
+one JSON line on stdout. Arm ``ASIENTO_CRASH_AT`` to have it kill itself.
+
+    python tests/providers/fake_servers.py child DB RUN_ID BASE_URL
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import TracebackType
+from typing import Any
+
+__all__ = ["CHILD_SCRIPT", "Answer", "AsgiServer", "FakeProvider", "Received", "wait_until"]
+
+_ANTHROPIC_ID = re.compile(r"^[a-zA-Z0-9_-]+$")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One scripted model turn: text, and tool calls as (name, arguments) pairs."""
+
+    text: str = ""
+    calls: tuple[tuple[str, dict[str, Any]], ...] = ()
+
+
+@dataclass(frozen=True)
+class Received:
+    """One HTTP request as the provider saw it (header names lower-cased)."""
+
+    path: str
+    headers: dict[str, str]
+    body: Any
+    size: int  # bytes of the body: the fake bills len // 4 input tokens
+
+    @property
+    def key(self) -> str | None:
+        return self.headers.get("idempotency-key")
+
+
+@dataclass
+class _Knobs:
+    failures: deque[int] = field(default_factory=deque)
+    garbage: deque[bytes] = field(default_factory=deque)
+    delays: dict[int, float] = field(default_factory=dict)  # turn -> seconds, used once
+
+
+class FakeProvider:
+    """A scripted provider on 127.0.0.1 (port 0), in a thread; use it as a context manager."""
+
+    def __init__(self, script: Sequence[Answer]) -> None:
+        self.script = list(script)
+        self.requests: list[Received] = []
+        self.generations: list[str | None] = []  # the key of each billable generation
+        self.problems: list[str] = []  # wire-format errors it refused with 400
+        self._knobs = _Knobs()
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server.daemon_threads = True
+        self._server.block_on_close = False
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    @property
+    def openai_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def anthropic_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def billed(self, key: str | None = None) -> int:
+        """Billable generations, all or for one idempotency key."""
+        with self._lock:
+            return sum(1 for k in self.generations if key is None or k == key)
+
+    def fail_next(self, n: int, status: int) -> None:
+        """Answer the next ``n`` requests with ``status`` (not billed)."""
+        with self._lock:
+            self._knobs.failures.extend([status] * n)
+
+    def delay_turn(self, turn: int, seconds: float) -> None:
+        """Count the next generation of ``turn`` (0 = m1) at once; answer ``seconds`` later."""
+        with self._lock:
+            self._knobs.delays[turn] = seconds
+
+    def garble_next(self, body: bytes, n: int = 1) -> None:
+        """Bill the next ``n`` generations but answer 200 with ``body`` instead."""
+        with self._lock:
+            self._knobs.garbage.extend([body] * n)
+
+    def __enter__(self) -> FakeProvider:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._closing.set()
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+    # -- one request -------------------------------------------------------------------
+
+    def answer(self, path: str, headers: dict[str, str], raw: bytes) -> tuple[int, dict, bytes]:
+        """Status, headers and body for one request (runs in the server's thread)."""
+        body = _json(raw)
+        with self._lock:
+            self.requests.append(Received(path, headers, body, len(raw)))
+            if self._knobs.failures:
+                return _failure(self._knobs.failures.popleft())
+        route = _ROUTES.get(path)
+        if route is None:
+            return _status(404, f"no route {path}")
+        check, turn_of, render = route
+        problem = check(body) if isinstance(body, dict) else "the body is not a JSON object"
+        if problem:
+            self.problems.append(problem)
+            return _status(400, problem)
+        turn = turn_of(body)
+        if turn >= len(self.script):
+            return _status(400, f"the script has {len(self.script)} turns; turn {turn} asked")
+        return self._generate(body, raw, headers, turn, render)
+
+    def _generate(
+        self, body: dict, raw: bytes, headers: dict[str, str], turn: int, render: Callable
+    ) -> tuple[int, dict, bytes]:
+        with self._lock:
+            self.generations.append(headers.get("idempotency-key"))
+            n = len(self.generations)
+            delay = self._knobs.delays.pop(turn, 0.0)
+            garbage = self._knobs.garbage.popleft() if self._knobs.garbage else None
+        if delay:
+            self._closing.wait(delay)
+        answer = self.script[turn]
+        usage = (len(raw) // 4, 5 + 10 * len(answer.calls) + len(answer.text) // 4)
+        out, id_header = render(n, body.get("model", ""), answer, usage)
+        content = garbage if garbage is not None else json.dumps(out).encode()
+        return 200, {id_header: f"req_{n}", "content-type": "application/json"}, content
+
+
+def _handler(provider: FakeProvider) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            status, out_headers, content = provider.answer(self.path, headers, raw)
+            try:
+                self.send_response(status)
+                for name, value in out_headers.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(content)))
+                self.end_headers()
+                self.wfile.write(content)
+            except OSError:
+                pass  # the client is gone (killed): the generation is billed all the same
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+def _status(status: int, message: str) -> tuple[int, dict, bytes]:
+    body = {"error": {"message": message, "type": "invalid_request_error"}}
+    return status, {"content-type": "application/json"}, json.dumps(body).encode()
+
+
+def _failure(status: int) -> tuple[int, dict, bytes]:
+    code, headers, body = _status(status, f"injected failure {status}")
+    if status == 429 or status >= 500:
+        headers["retry-after-ms"] = "5"  # the SDKs honour it: retries stay fast in tests
+    return code, headers, body
+
+
+# -- OpenAI Chat Completions ------------------------------------------------------------
+
+
+def _check_chat(body: dict) -> str | None:
+    messages = body.get("messages")
+    if not body.get("model") or not isinstance(messages, list) or not messages:
+        return "model and a non-empty messages list are required"
+    for tool in body.get("tools", []):
+        fn = tool.get("function", {})
+        if tool.get("type") != "function" or not fn.get("name"):
+            return f"bad tool {tool}"
+        if fn.get("parameters", {}).get("type") != "object":
+            return f"tool {fn.get('name')} parameters must be an object schema"
+    return _check_chat_messages(messages)
+
+
+def _check_chat_messages(messages: list[dict]) -> str | None:
+    open_ids: set[str] = set()
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if role == "tool":
+            if m.get("tool_call_id") not in open_ids:
+                return f"tool message answers unknown call {m.get('tool_call_id')!r}"
+            open_ids.discard(m["tool_call_id"])
+        elif open_ids:
+            return f"tool calls {sorted(open_ids)} have no tool message"
+        elif role == "assistant":
+            for call in m.get("tool_calls") or []:
+                fn = call.get("function", {})
+                if call.get("type") != "function" or not call.get("id") or not fn.get("name"):
+                    return f"bad assistant tool call {call}"
+                if not isinstance(_json(fn.get("arguments", "").encode()), dict):
+                    return "tool call arguments must be a JSON object in a string"
+                open_ids.add(call["id"])
+        elif role not in ("system", "user") or (role == "system" and i != 0):
+            return f"role {role!r} is unknown or out of place at message {i}"
+    return None
+
+
+def _chat_turn(body: dict) -> int:
+    return sum(1 for m in body["messages"] if m.get("role") == "assistant")
+
+
+def _render_chat(n: int, model: str, answer: Answer, usage: tuple[int, int]) -> tuple[dict, str]:
+    calls = [
+        {
+            "id": f"call_{n}_{i}",
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args)},
+        }
+        for i, (name, args) in enumerate(answer.calls, 1)
+    ]
+    message: dict[str, Any] = {"role": "assistant", "content": answer.text or None}
+    if calls:
+        message["tool_calls"] = calls
+    out = {
+        "id": f"chatcmpl-{n}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}
+        ],
+        "usage": {
+            "prompt_tokens": usage[0],
+            "completion_tokens": usage[1],
+            "total_tokens": sum(usage),
+        },
+    }
+    return out, "x-request-id"
+
+
+# -- OpenAI Responses -------------------------------------------------------------------
+
+
+def _check_responses(body: dict) -> str | None:
+    items = body.get("input")
+    if not body.get("model") or not isinstance(items, list) or not items:
+        return "model and a non-empty input list are required"
+    for tool in body.get("tools", []):
+        if tool.get("type") != "function" or not tool.get("name") or "parameters" not in tool:
+            return f"bad tool {tool}"
+    called: set[str] = set()
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            if not item.get("call_id") or not isinstance(_json(item["arguments"].encode()), dict):
+                return f"bad function_call {item}"
+            called.add(item["call_id"])
+        elif kind == "function_call_output":
+            if item.get("call_id") not in called:
+                return f"function_call_output for unknown call {item.get('call_id')!r}"
+        elif item.get("role") not in ("user", "assistant", "system", "developer"):
+            return f"bad input item {item}"
+    return None
+
+
+def _responses_turn(body: dict) -> int:
+    turns, in_turn = 0, False
+    for item in body["input"]:
+        assistant = item.get("role") == "assistant" or item.get("type") == "function_call"
+        if assistant and not in_turn:
+            turns += 1
+        in_turn = assistant
+    return turns
+
+
+def _render_responses(
+    n: int, model: str, answer: Answer, usage: tuple[int, int]
+) -> tuple[dict, str]:
+    output: list[dict[str, Any]] = []
+    if answer.text:
+        text = {"type": "output_text", "text": answer.text, "annotations": []}
+        output.append(
+            {"type": "message", "id": f"msg_{n}", "status": "completed", "role": "assistant",
+             "content": [text]}
+        )  # fmt: skip
+    output.extend(
+        {"type": "function_call", "id": f"fc_{n}_{i}", "call_id": f"call_{n}_{i}",
+         "name": name, "arguments": json.dumps(args), "status": "completed"}
+        for i, (name, args) in enumerate(answer.calls, 1)
+    )  # fmt: skip
+    out = {
+        "id": f"resp_{n}",
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "completed",
+        "model": model,
+        "output": output,
+        "usage": {"input_tokens": usage[0], "output_tokens": usage[1], "total_tokens": sum(usage)},
+    }
+    return out, "x-request-id"
+
+
+# -- Anthropic Messages -----------------------------------------------------------------
+
+
+def _check_messages(body: dict) -> str | None:
+    messages = body.get("messages")
+    if not body.get("model") or not isinstance(body.get("max_tokens"), int):
+        return "model and max_tokens are required"
+    if not isinstance(messages, list) or not messages or messages[0].get("role") != "user":
+        return "messages must start with a user message"
+    if "system" in body and not isinstance(body["system"], str | list):
+        return "system must be text or text blocks"
+    for tool in body.get("tools", []):
+        if not tool.get("name") or tool.get("input_schema", {}).get("type") != "object":
+            return f"bad tool {tool}"
+    return _check_turns(messages)
+
+
+def _check_turns(messages: list[dict]) -> str | None:
+    expected: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.get("role") != ("user" if i % 2 == 0 else "assistant"):
+            return f"message {i} breaks the user/assistant alternation"
+        content = m.get("content")
+        blocks = content if isinstance(content, list) else [{"type": "text", "text": content}]
+        results = {b.get("tool_use_id") for b in blocks if b.get("type") == "tool_result"}
+        if results != expected:
+            return f"tool_use ids {sorted(expected)} answered by {sorted(results - {None})}"
+        expected = set()
+        for b in blocks:
+            if b.get("type") == "text" and not b.get("text"):
+                return "text content blocks must be non-empty"
+            if b.get("type") == "tool_use":
+                if not _ANTHROPIC_ID.match(b.get("id", "")) or not isinstance(b.get("input"), dict):
+                    return f"bad tool_use block {b}"
+                expected.add(b["id"])
+    return None
+
+
+def _messages_turn(body: dict) -> int:
+    return sum(1 for m in body["messages"] if m.get("role") == "assistant")
+
+
+def _render_messages(
+    n: int, model: str, answer: Answer, usage: tuple[int, int]
+) -> tuple[dict, str]:
+    content: list[dict[str, Any]] = []
+    if answer.text:
+        content.append({"type": "text", "text": answer.text})
+    content.extend(
+        {"type": "tool_use", "id": f"toolu_{n}_{i}", "name": name, "input": args}
+        for i, (name, args) in enumerate(answer.calls, 1)
+    )
+    out = {
+        "id": f"msg_{n}",
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": "tool_use" if answer.calls else "end_turn",
+        "stop_sequence": None,
+        "usage": {"input_tokens": usage[0], "output_tokens": usage[1]},
+    }
+    return out, "request-id"
+
+
+_ROUTES: dict[str, tuple[Callable, Callable, Callable]] = {
+    "/v1/chat/completions": (_check_chat, _chat_turn, _render_chat),
+    "/v1/responses": (_check_responses, _responses_turn, _render_responses),
+    "/v1/messages": (_check_messages, _messages_turn, _render_messages),
+}
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+
+def wait_until(condition: Callable[[], bool], *, timeout: float = 20.0) -> None:
+    """Poll ``condition`` every 20 ms; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(0.02)
+
+
+class AsgiServer:
+    """An ASGI app served by uvicorn on 127.0.0.1 (a free port), in a thread."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.app = app
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+
+    def __enter__(self) -> AsgiServer:
+        self._thread.start()
+        wait_until(lambda: self._server.started, timeout=10)
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+
+# -- the crash tests' child process -------------------------------------------------------
+
+#: What the provider answers the child's agent: read /x, then read /y, then done.
+CHILD_SCRIPT = (
+    Answer(calls=(("read", {"path": "/x"}),)),
+    Answer(text="one more", calls=(("read", {"path": "/y"}),)),
+    Answer(text="done"),
+)
+
+
+async def _child_pass(db: str, run_id: str, base_url: str) -> dict[str, Any]:
+    from asiento import Agent, FinalStep, Session, SqliteCheckpointer, tool
+    from asiento.gateways import OpenAIGateway
+
+    @tool(idempotent=True)
+    def read(path: str) -> str:
+        """Read a file."""
+        return f"contents of {path}"
+
+    agent = Agent(instructions="Read what you are asked to.", tools=[read])
+    store = SqliteCheckpointer(db)
+    gateway = OpenAIGateway("gpt-test", base_url=base_url, api_key="sk-test")
+    session = Session(run_id, gateway, store)
+    ended = "not closed"
+    try:
+        async for step in agent.run("read /x and /y", session=session):
+            if isinstance(step, FinalStep):
+                ended = "already closed" if step.replayed else "closed"
+    finally:
+        await store.close()
+        await gateway.aclose()
+    stats = session.stats
+    return {
+        "ended": ended,
+        "model_calls": stats.model_calls,
+        "replayed": stats.model_calls_replayed,
+    }
+
+
+if __name__ == "__main__":
+    import asyncio
+    import sys
+
+    if sys.argv[1:2] != ["child"] or len(sys.argv) != 5:
+        sys.exit("usage: fake_servers.py child DB RUN_ID BASE_URL")
+    outcome = asyncio.run(_child_pass(*sys.argv[2:5]))
+    sys.stdout.write(json.dumps(outcome) + "\n")
