@@ -39,6 +39,7 @@ from .harness import approve, deny, resolve
 from .journal import Checkpointer, MemoryCheckpointer, SqliteCheckpointer
 from .journal.url import open_store
 from .lease import Holder
+from .ledger import Price
 from .model import Gateway, Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
 from .policy import Policy, allow_all, require_approval_for
 from .session import RunStats, Session
@@ -87,6 +88,7 @@ __all__ = [
     "Phase",
     "Policy",
     "PostgresCheckpointer",
+    "Price",
     "RecordTooLarge",
     "ReplayDivergence",
     "RunError",

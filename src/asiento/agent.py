@@ -33,6 +33,7 @@ from .events import (
     ToolStep,
 )
 from .journal.base import MAX_RECORD_BYTES
+from .ledger import cost_of
 from .model import Message, ModelRequest, ModelResponse, ToolCall, check_response
 from .policy import Policy, allow_all, ask_policy
 from .replay import Action, Records, StepState, decide, step_state
@@ -192,6 +193,7 @@ class _Pass:
         self.stats.model_calls_replayed += 1
         self.stats.input_tokens_saved += response.usage.input_tokens
         self.stats.output_tokens_saved += response.usage.output_tokens
+        self.stats.cost_saved += float(recorded.payload.get("cost") or 0.0)
         return response
 
     async def _call_model(self, step_id: str, fp: str) -> ModelResponse:
@@ -205,7 +207,11 @@ class _Pass:
         self.stats.model_calls += 1
         self.stats.input_tokens += response.usage.input_tokens
         self.stats.output_tokens += response.usage.output_tokens
-        payload = {"fp": fp, "response": response.to_json()}
+        payload: dict[str, Any] = {"fp": fp, "response": response.to_json()}
+        cost = cost_of(response.usage, response.model, self.session.prices)
+        if cost is not None:
+            payload["cost"] = cost
+            self.stats.cost += cost
         self._record(step_id, Phase.RESULT, payload)
         self.waiting.append(
             ModelStep(run_id=self.run_id, step_id=step_id, response=response, idempotency_key=key)

@@ -82,6 +82,8 @@ class RunInfo:
     agent: str | None = None
     attempts: int = 0
     reason: str | None = None
+    cost: float = 0.0
+    saved_cost: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -111,6 +113,7 @@ class Savings:
     calls: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
+    cost: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

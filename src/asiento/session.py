@@ -13,6 +13,7 @@ from .errors import AsientoError, LeaseLost, RunLocked, UsageError
 from .events import Lease, Savings
 from .journal.base import Checkpointer, check_id
 from .lease import Holder
+from .ledger import PriceTable
 from .model import Gateway
 
 log = logging.getLogger("asiento")
@@ -33,12 +34,15 @@ class RunStats:
     output_tokens: int = 0
     input_tokens_saved: int = 0
     output_tokens_saved: int = 0
+    cost: float = 0.0
+    cost_saved: float = 0.0
 
     def savings(self) -> Savings:
         return Savings(
             calls=self.model_calls_replayed,
             input_tokens=self.input_tokens_saved,
             output_tokens=self.output_tokens_saved,
+            cost=self.cost_saved,
         )
 
 
@@ -48,7 +52,8 @@ class Session:
     A second session on a run that is held fails fast with ``RunLocked`` naming
     the holder, or waits up to ``wait`` seconds for it. The lease lasts
     ``lease_ttl`` seconds and is renewed while the session drives the run.
-    ``lease`` is one a worker already claimed for this run.
+    ``lease`` is one a worker already claimed for this run. With ``prices``
+    (model name to ``Price``), every model step records what it cost.
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class Session:
         lease_ttl: float = 30.0,
         wait: float = 0.0,
         lease: Lease | None = None,
+        prices: PriceTable | None = None,
     ) -> None:
         self.run_id = check_id("run_id", run_id)
         if not callable(getattr(gateway, "complete", None)):
@@ -79,6 +85,7 @@ class Session:
         self.wait = wait
         self.holder = Holder.here()
         self.stats = RunStats()
+        self.prices = prices
         if lease is not None and lease.run_id != self.run_id:
             raise UsageError(f"Session(lease=...) holds run {lease.run_id!r}, not {self.run_id!r}")
         self._claimed = lease
@@ -134,6 +141,7 @@ class Session:
             calls=now.calls - before.calls,
             input_tokens=now.input_tokens - before.input_tokens,
             output_tokens=now.output_tokens - before.output_tokens,
+            cost=now.cost - before.cost,
         )
         try:
             await self.store.release(lease, savings=pass_savings)

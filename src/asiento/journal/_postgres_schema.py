@@ -59,7 +59,9 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             task                text,
             agent               text,
             attempts            bigint NOT NULL DEFAULT 0,
-            reason              text
+            reason              text,
+            cost                double precision NOT NULL DEFAULT 0,
+            saved_cost          double precision NOT NULL DEFAULT 0
         )
         """,
         "CREATE INDEX runs_by_status ON runs (status)",
@@ -91,9 +93,9 @@ _ATTEMPTS = """attempts = CASE WHEN %(status)s IN ('closed', 'suspended', 'uncer
 
 UPSERT_RUN = f"""
 INSERT INTO runs (run_id, status, events, created_at, updated_at,
-                  model_calls, input_tokens, output_tokens)
+                  model_calls, input_tokens, output_tokens, cost)
 VALUES (%(run_id)s, coalesce(%(status)s, 'running'), %(added)s, {NOW}, {NOW},
-        %(calls)s, %(inp)s, %(out)s)
+        %(calls)s, %(inp)s, %(out)s, %(cost)s)
 ON CONFLICT (run_id) DO UPDATE SET
     status = coalesce(%(status)s, runs.status),
     events = runs.events + excluded.events,
@@ -101,6 +103,7 @@ ON CONFLICT (run_id) DO UPDATE SET
     model_calls = runs.model_calls + excluded.model_calls,
     input_tokens = runs.input_tokens + excluded.input_tokens,
     output_tokens = runs.output_tokens + excluded.output_tokens,
+    cost = runs.cost + excluded.cost,
     {_ATTEMPTS}
 """
 
@@ -113,6 +116,7 @@ UPDATE runs SET
     model_calls = model_calls + %(calls)s,
     input_tokens = input_tokens + %(inp)s,
     output_tokens = output_tokens + %(out)s,
+    cost = cost + %(cost)s,
     {_ATTEMPTS},
     lease_expires = {NOW} + lease_ttl
 WHERE run_id = %(run_id)s AND fence = %(token)s AND lease_owner = %(owner)s
@@ -149,7 +153,7 @@ SET_TTL = "UPDATE runs SET lease_ttl = %s WHERE run_id = %s AND fence = %s"
 RELEASE = """
 UPDATE runs SET lease_owner = NULL, lease_expires = NULL,
     replayed_calls = replayed_calls + %s, saved_input_tokens = saved_input_tokens + %s,
-    saved_output_tokens = saved_output_tokens + %s
+    saved_output_tokens = saved_output_tokens + %s, saved_cost = saved_cost + %s
 WHERE run_id = %s AND fence = %s AND lease_owner = %s
 """
 
@@ -180,7 +184,7 @@ COUNT_CLAIM = "UPDATE runs SET attempts = attempts + 1 WHERE run_id = %s"
 SELECT_RUNS = """
 SELECT run_id, status, events, created_at, updated_at, lease_owner, lease_expires, fence,
     model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
-    saved_output_tokens, task, agent, attempts, reason
+    saved_output_tokens, task, agent, attempts, reason, cost, saved_cost
 FROM runs
 """
 

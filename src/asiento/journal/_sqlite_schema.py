@@ -39,7 +39,9 @@ MIGRATIONS: tuple[str, ...] = (
         task                TEXT,
         agent               TEXT,
         attempts            INTEGER NOT NULL DEFAULT 0,
-        reason              TEXT
+        reason              TEXT,
+        cost                REAL NOT NULL DEFAULT 0,
+        saved_cost          REAL NOT NULL DEFAULT 0
     );
     CREATE INDEX runs_by_status ON runs (status);
     """,

@@ -145,6 +145,8 @@ _RUN_FIELDS = (
     "agent",
     "attempts",
     "reason",
+    "cost",
+    "saved_cost",
 )
 
 STABLE = (RunStatus.CLOSED, RunStatus.SUSPENDED, RunStatus.UNCERTAIN)
@@ -162,16 +164,18 @@ def run_info(row: Sequence[Any]) -> RunInfo:
     return RunInfo(**values)
 
 
-def usage_of(events: Sequence[StepEvent]) -> tuple[int, int, int]:
-    """Model calls and tokens paid, read from the model results in a batch."""
+def usage_of(events: Sequence[StepEvent]) -> dict[str, Any]:
+    """Model calls, tokens and cost paid, read from the model results in a batch."""
     calls = inp = out = 0
+    cost = 0.0
     for event in events:
         response = event.payload.get("response") if event.phase == Phase.RESULT else None
         if isinstance(response, dict):
             calls += 1
             usage = response.get("usage", (0, 0))
             inp, out = inp + int(usage[0]), out + int(usage[1])
-    return calls, inp, out
+            cost += float(event.payload.get("cost") or 0.0)
+    return {"calls": calls, "inp": inp, "out": out, "cost": cost}
 
 
 def encode_batch(events: Sequence[StepEvent]) -> tuple[str, list[Row]]:

@@ -52,7 +52,7 @@ class MemoryCheckpointer:
         for _, step_id, phase, decision, payload, created in rows:
             self._keys.add((run_id, step_id, phase))
             self._rows.setdefault(run_id, []).append((step_id, phase, decision, payload, created))
-        calls, inp, out = usage_of(events)
+        usage = usage_of(events)
         info = self._info(run_id)
         self._runs[run_id] = dataclasses.replace(
             info,
@@ -60,9 +60,10 @@ class MemoryCheckpointer:
             attempts=0 if status in STABLE else info.attempts,
             events=info.events + len(rows),
             updated_at=time.time(),
-            model_calls=info.model_calls + calls,
-            input_tokens=info.input_tokens + inp,
-            output_tokens=info.output_tokens + out,
+            model_calls=info.model_calls + usage["calls"],
+            input_tokens=info.input_tokens + usage["inp"],
+            output_tokens=info.output_tokens + usage["out"],
+            cost=info.cost + usage["cost"],
         )
 
     def _info(self, run_id: str) -> RunInfo:
@@ -122,6 +123,7 @@ class MemoryCheckpointer:
             replayed_calls=info.replayed_calls + saved.calls,
             saved_input_tokens=info.saved_input_tokens + saved.input_tokens,
             saved_output_tokens=info.saved_output_tokens + saved.output_tokens,
+            saved_cost=info.saved_cost + saved.cost,
         )
 
     async def load(self, run_id: str) -> list[StepEvent]:

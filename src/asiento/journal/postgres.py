@@ -138,10 +138,10 @@ class PostgresCheckpointer:
         self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
     ) -> None:
         run_id, rows = encode_batch(events)
-        calls, inp, out = usage_of(events)
+        usage = usage_of(events)
         state = None if status is None else RunStatus(status).value
         params = {"run_id": run_id, "status": state, "added": len(rows)}
-        params |= {"calls": calls, "inp": inp, "out": out}
+        params |= usage
         work = partial(self._append_rows, rows, params, lease)
         await self._exactly_once(work, partial(self._recorded, rows[0]))
 
@@ -198,7 +198,14 @@ class PostgresCheckpointer:
 
     async def release(self, lease: Lease, *, savings: Savings | None = None) -> None:
         saved = savings or Savings()
-        args = (saved.calls, saved.input_tokens, saved.output_tokens, lease.run_id, lease.token)
+        args = (
+            saved.calls,
+            saved.input_tokens,
+            saved.output_tokens,
+            saved.cost,
+            lease.run_id,
+            lease.token,
+        )
 
         async def give_up(conn: Conn) -> None:
             await conn.execute(sql.RELEASE, (*args, lease.owner))

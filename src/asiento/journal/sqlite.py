@@ -48,8 +48,8 @@ _MAX_PARKED_PER_CLAIM = 100
 
 _UPSERT_RUN = """
 INSERT INTO runs (run_id, status, events, created_at, updated_at,
-                  model_calls, input_tokens, output_tokens)
-VALUES (:run_id, coalesce(:status, 'running'), :added, :now, :now, :calls, :inp, :out)
+                  model_calls, input_tokens, output_tokens, cost)
+VALUES (:run_id, coalesce(:status, 'running'), :added, :now, :now, :calls, :inp, :out, :cost)
 ON CONFLICT (run_id) DO UPDATE SET
     status = coalesce(:status, runs.status),
     events = runs.events + :added,
@@ -57,6 +57,7 @@ ON CONFLICT (run_id) DO UPDATE SET
     model_calls = runs.model_calls + :calls,
     input_tokens = runs.input_tokens + :inp,
     output_tokens = runs.output_tokens + :out,
+    cost = runs.cost + :cost,
     attempts = CASE WHEN :status IN ('closed', 'suspended', 'uncertain') THEN 0
                     ELSE runs.attempts END
 """
@@ -69,6 +70,7 @@ UPDATE runs SET
     model_calls = model_calls + :calls,
     input_tokens = input_tokens + :inp,
     output_tokens = output_tokens + :out,
+    cost = cost + :cost,
     attempts = CASE WHEN :status IN ('closed', 'suspended', 'uncertain') THEN 0 ELSE attempts END,
     lease_expires = :now + lease_ttl
 WHERE run_id = :run_id AND fence = :token AND lease_owner = :owner AND lease_expires >= :now
@@ -81,7 +83,7 @@ WHERE run_id = :run_id AND fence = :token AND lease_owner = :owner AND lease_exp
 
 _RUN_COLUMNS = """run_id, status, events, created_at, updated_at, lease_owner, lease_expires,
 fence, model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
-saved_output_tokens, task, agent, attempts, reason"""
+saved_output_tokens, task, agent, attempts, reason, cost, saved_cost"""
 
 _CLAIMABLE = """
 SELECT run_id, task, agent, attempts, reason, fence FROM runs
@@ -120,9 +122,8 @@ class SqliteCheckpointer:
         self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
     ) -> None:
         run_id, rows = encode_batch(events)
-        calls, inp, out = usage_of(events)
         params = {"run_id": run_id, "status": status, "added": len(rows), "now": time.time()}
-        params |= {"calls": calls, "inp": inp, "out": out}
+        params |= usage_of(events)
         with self._errors(), self._transaction():
             if lease is None:
                 self._db.execute(_UPSERT_RUN, params)
@@ -196,12 +197,13 @@ class SqliteCheckpointer:
             self._db.execute(
                 "UPDATE runs SET lease_owner = NULL, lease_expires = NULL,"
                 " replayed_calls = replayed_calls + ?, saved_input_tokens = saved_input_tokens + ?,"
-                " saved_output_tokens = saved_output_tokens + ?"
+                " saved_output_tokens = saved_output_tokens + ?, saved_cost = saved_cost + ?"
                 " WHERE run_id = ? AND fence = ? AND lease_owner = ?",
                 (
                     saved.calls,
                     saved.input_tokens,
                     saved.output_tokens,
+                    saved.cost,
                     lease.run_id,
                     lease.token,
                     lease.owner,

@@ -1,0 +1,88 @@
+"""The paid-call ledger: usage and cost recorded per model step, savings on resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asiento import (
+    Agent,
+    ModelResponse,
+    Price,
+    Session,
+    SqliteCheckpointer,
+    ToolCall,
+    Usage,
+    UsageError,
+    tool,
+)
+from asiento.events import Phase
+from asiento.ledger import cost_of, price_for
+from asiento.testing import ScriptedGateway
+
+PRICES = {"gpt-x": Price(2.0, 8.0), "gpt-x-mini": Price(0.5, 1.0)}
+SCRIPT = [
+    ModelResponse(
+        tool_calls=[ToolCall(name="crash", arguments={})],
+        usage=Usage(input_tokens=1000, output_tokens=100),
+        model="gpt-x-2026-01-01",
+    ),
+    ModelResponse(text="done", usage=Usage(input_tokens=2000, output_tokens=50), model="gpt-x"),
+]
+
+
+class Boom(BaseException):
+    """Stands for the process dying inside the tool."""
+
+
+def test_price_for_takes_the_longest_prefix() -> None:
+    """A dated snapshot is priced by the longest model name it starts with."""
+    assert price_for("gpt-x-mini-2026", PRICES) == Price(0.5, 1.0)
+    assert price_for("gpt-x-2026", PRICES) == Price(2.0, 8.0)
+    assert price_for("claude", PRICES) is None
+    assert cost_of(Usage(input_tokens=1_000_000, output_tokens=0), "gpt-x", PRICES) == 2.0
+    with pytest.raises(UsageError):
+        Price(-1.0, 0.0)
+
+
+async def test_usage_and_cost_are_recorded_and_resume_reports_the_savings(tmp_path: Path) -> None:
+    """Each model step records tokens and cost; a resumed pass reports what it did not pay."""
+    crashes = [True]
+
+    @tool(idempotent=True)
+    def crash() -> str:
+        """Die once, then answer."""
+        if crashes.pop() if crashes else False:
+            raise Boom
+        return "ok"
+
+    agent = Agent(tools=[crash])
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    first = Session("r", ScriptedGateway(SCRIPT), store, prices=PRICES)
+    with pytest.raises(Boom):
+        async for _ in agent.run("t", session=first):
+            pass
+    m1 = next(e for e in await store.load_step("r", "m1") if e.phase == Phase.RESULT)
+    assert m1.payload["response"]["usage"] == [1000, 100]
+    assert m1.payload["cost"] == pytest.approx((1000 * 2.0 + 100 * 8.0) / 1e6)
+    assert first.stats.cost == pytest.approx(0.0028)
+
+    second = Session(
+        "r", ScriptedGateway(SCRIPT), SqliteCheckpointer(tmp_path / "runs.db"), prices=PRICES
+    )
+    async for _ in agent.run("t", session=second):
+        pass
+    assert second.stats.model_calls == 1
+    assert second.stats.model_calls_replayed == 1
+    assert second.stats.input_tokens_saved == 1000
+    assert second.stats.cost_saved == pytest.approx(0.0028)
+    [info] = await store.runs()
+    assert (info.model_calls, info.input_tokens, info.output_tokens) == (2, 3000, 150)
+    assert info.cost == pytest.approx(0.0028 + (2000 * 2.0 + 50 * 8.0) / 1e6)
+    assert (info.replayed_calls, info.saved_input_tokens, info.saved_output_tokens) == (
+        1,
+        1000,
+        100,
+    )
+    assert info.saved_cost == pytest.approx(0.0028)
