@@ -2,6 +2,7 @@
 
 from ._canonical import idem_key
 from .agent import Agent, model_key
+from .context import StepContext, current_step
 from .errors import (
     ApprovalError,
     AsientoError,
@@ -101,6 +102,7 @@ __all__ = [
     "ShutdownRequested",
     "SqliteCheckpointer",
     "Step",
+    "StepContext",
     "StepEvent",
     "Tool",
     "ToolCall",
@@ -113,6 +115,7 @@ __all__ = [
     "__version__",
     "allow_all",
     "approve",
+    "current_step",
     "deny",
     "idem_key",
     "model_key",

@@ -14,9 +14,10 @@ from typing import Any
 
 from pydantic_core import to_jsonable_python
 
-from . import shutdown
+from . import context, shutdown
 from ._canonical import FingerprintChain, canonical_json, fingerprint, idem_key
 from ._crash import crash_point
+from .context import StepContext
 from .effects.base import Effect, EffectRejected, Published, Reconcile, reconcile
 from .errors import MaxTurnsExceeded, ReplayDivergence, UncertainEffect, UsageError
 from .events import (
@@ -290,10 +291,17 @@ class _Pass:
         self._record(attempt_id, Phase.SUBMITTED, {})
         await self._flush()
         intent = records[Phase.INTENT]
-        if tool.effect is not None:
-            outcome = await _publish(tool.effect, intent, via, attempts)
-        else:
-            outcome = await _invoke(tool, intent)
+        where = StepContext(
+            run_id=self.run_id, step_id=state.step_id, attempt_id=attempt_id, tool=call.name
+        )
+        token = context.enter(where)
+        try:
+            if tool.effect is not None:
+                outcome = await _publish(tool.effect, intent, via, attempts)
+            else:
+                outcome = await _invoke(tool, intent)
+        finally:
+            context.leave(token)
         self.stats.tool_calls += 1
         crash_point("after_tool")
         decision = Decision.APPROVED if Phase.APPROVAL in records else Decision.ALLOW

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ._crash import CRASH_POINTS, ENV_VAR, arm, crash_point
-from .errors import UsageError
-from .model import ModelRequest, ModelResponse
+from .._crash import CRASH_POINTS, ENV_VAR, arm, crash_point
+from ..errors import UsageError
+from ..model import ModelRequest, ModelResponse
 
 __all__ = ["CRASH_POINTS", "ENV_VAR", "ScriptedGateway", "arm", "crash_point"]
 
