@@ -93,9 +93,11 @@ class Spy:
         self.called.append("renew")
         return await self.inner.renew(lease, ttl=ttl)
 
-    async def release(self, lease: Lease, *, savings: Savings | None = None) -> None:
+    async def release(
+        self, lease: Lease, *, savings: Savings | None = None, clean: bool = False
+    ) -> None:
         self.called.append("release")
-        await self.inner.release(lease, savings=savings)
+        await self.inner.release(lease, savings=savings, clean=clean)
 
     async def load(self, run_id: str) -> list[StepEvent]:
         self.called.append("load")

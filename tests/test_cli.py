@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
+import queue
 import re
 import shutil
+import signal
+import socket
+import sqlite3
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from urllib.parse import urlencode
 
+import httpx
 import pytest
+from psycopg.conninfo import conninfo_to_dict
 
 from asiento import (
     Agent,
+    App,
     ApprovalStep,
     FinalStep,
+    Holder,
+    ModelRequest,
     ModelResponse,
     Session,
     SqliteCheckpointer,
@@ -23,14 +37,24 @@ from asiento import (
     ToolCall,
     ToolStep,
     UncertainEffect,
+    Usage,
+    Worker,
+    open_store,
     require_approval_for,
+    shutdown,
+    submit,
     tool,
 )
 from asiento.testing import ScriptedGateway
+from web.runs import book, closed_with_effect
+from web.runs import uncertain as priced_uncertain
 
 SCRIPT = [
-    ModelResponse(tool_calls=[ToolCall(name="pay", arguments={"amount": 120})]),
-    ModelResponse(text="paid"),
+    ModelResponse(
+        tool_calls=[ToolCall(name="pay", arguments={"amount": 120})],
+        usage=Usage(input_tokens=400, output_tokens=30),
+    ),
+    ModelResponse(text="paid", usage=Usage(input_tokens=450, output_tokens=5)),
 ]
 
 
@@ -38,10 +62,11 @@ class Killed(BaseException):
     """Stands for the process dying inside the tool: not an error the loop records."""
 
 
-def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m asiento ARGS`` in ``cwd``."""
-    env = {k: v for k, v in os.environ.items() if k != "ASIENTO_CRASH_AT"}
-    env["COLUMNS"] = "200"
+def cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m asiento ARGS`` in ``cwd`` (with ``env`` added to a clean environment)."""
+    env = {**clean_env(), "COLUMNS": "200", **(env or {})}
     argv = [sys.executable, "-m", "asiento", *args]
     return subprocess.run(
         argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False
@@ -141,19 +166,32 @@ async def test_runs_lists_runs_from_the_default_store(tmp_path: Path) -> None:
 
 
 async def test_show_prints_the_timeline(tmp_path: Path) -> None:
-    """`show` prints step, phase, decision and a short payload per record, or the JSON."""
+    """`show` prints each record step by step with its decision and what it says, and what
+    the run awaits, with the command that decides it; --json has the same, whole."""
     fp = await suspended(tmp_path / "runs.db", "run-1")
     table = cli("show", "run-1", cwd=tmp_path)
     assert table.returncode == 0, table.stderr
-    assert "run 'run-1' · suspended" in table.stdout
-    assert re.search(r"m1\s*│\s*result\s*│\s*│\s*\{\"fp\"", table.stdout)
-    intent = r"m1\.t1\s*│\s*intent\s*│\s*require_approval\s*│\s*\{\"tool\":\"pay\""
+    assert "run 'run-1' · suspended · 2 records" in table.stdout
+    assert "model calls 1 (400 in / 30 out)" in table.stdout
+    at = r"\d\d:\d\d:\d\d"
+    model = rf"m1\s*│\s*result\s*│\s*│\s*{at}\s*│\s*asks pay\(\{{\"amount\":120\}}\) \[400\+30"
+    assert re.search(model, table.stdout)
+    intent = rf"m1\.t1\s*│\s*intent\s*│\s*require_approval\s*│\s*{at}\s*│\s*pay\(\{{\"amount\":120"
     assert re.search(intent, table.stdout)
+    assert f'awaiting approval: m1.t1 pay({{"amount":120}}), fingerprint {fp}' in table.stdout
+    assert "asiento approve run-1 m1.t1 --by NAME" in table.stdout
     shown = json.loads(cli("show", "run-1", "--json", cwd=tmp_path).stdout)
     assert shown["status"] == "suspended"
     records = [(e["step_id"], e["phase"], e["decision"]) for e in shown["events"]]
     assert records == [("m1", "result", None), ("m1.t1", "intent", "require_approval")]
     assert shown["events"][1]["payload"] == {"tool": "pay", "args": {"amount": 120}, "fp": fp}
+    [awaiting] = shown["awaiting"]
+    assert (awaiting["kind"], awaiting["step_id"], awaiting["fingerprint"]) == (
+        "approval",
+        "m1.t1",
+        fp,
+    )
+    assert shown["effects"] == []
 
 
 async def test_approve_lets_the_next_pass_pay_once(tmp_path: Path) -> None:
@@ -272,10 +310,10 @@ async def test_a_step_not_awaiting_approval_is_an_error(tmp_path: Path) -> None:
     model_step = cli("approve", "run-1", "m1", "--by", "ana", cwd=tmp_path)
     assert_one_line_error(model_step, "'m1' is not awaiting approval")
     unknown_step = cli("deny", "run-1", "m9.t1", "--by", "ana", "--reason", "no", cwd=tmp_path)
-    assert_one_line_error(unknown_step, "'m9.t1' is not awaiting approval")
+    assert_one_line_error(unknown_step, "run 'run-1' has no step 'm9.t1'")
     assert cli("approve", "run-1", "m1.t1", "--by", "ana", cwd=tmp_path).returncode == 0
     again = cli("deny", "run-1", "m1.t1", "--by", "bob", "--reason", "no", cwd=tmp_path)
-    assert_one_line_error(again, "already decided")
+    assert_one_line_error(again, "was already approved by ana at", "nothing was recorded")
 
 
 def test_a_file_that_is_not_a_journal_is_an_error(tmp_path: Path) -> None:
@@ -284,3 +322,394 @@ def test_a_file_that_is_not_a_journal_is_an_error(tmp_path: Path) -> None:
     proc = cli("runs", "--store", "notes.db", cwd=tmp_path)
     assert_one_line_error(proc, "not an asiento journal")
     assert (tmp_path / "notes.db").read_text() == "not sqlite at all " * 100
+
+
+# -- the run index, effects, store URLs --------------------------------------------------
+
+
+async def test_runs_shows_lease_holder_ledger_and_filters(tmp_path: Path) -> None:
+    """`runs` shows who holds a lease, calls and tokens paid and saved; --status repeats."""
+    db = tmp_path / "runs.db"
+    await suspended(db, "waiting")
+    await uncertain(db, "unsure")
+    await drive(db, "closed", dies=False)
+    assert cli("approve", "closed", "m1.t1", "--by", "ana", cwd=tmp_path).returncode == 0
+    await drive(db, "closed")
+    store = SqliteCheckpointer(db)
+    try:
+        lease = await store.acquire("waiting", Holder.here(), ttl=600)
+    finally:
+        await store.close()
+    table = cli("runs", cwd=tmp_path).stdout
+    assert re.search(
+        rf"waiting\s*│\s*suspended\s*│\s*2\s*│[^│]*│\s*{lease.owner[:8]} \(\d+s left\)", table
+    )
+    assert re.search(
+        r"unsure\s*│\s*uncertain\s*│\s*3\s*│[^│]*│\s*│\s*1\s*│\s*400/30\s*│\s*1\s*│\s*400/30",
+        table,
+    )
+    assert re.search(r"closed\s*│\s*closed\s*│\s*7\s*│[^│]*│\s*│\s*2\s*│\s*850/35\s*│", table)
+    listed = json.loads(
+        cli("runs", "--json", "--status", "uncertain", "--status", "closed", cwd=tmp_path).stdout
+    )
+    assert [(r["run_id"], r["replayed_calls"], r["saved_input_tokens"]) for r in listed] == [
+        ("unsure", 1, 400),
+        ("closed", 1, 400),
+    ]
+    held = json.loads(cli("runs", "--json", "--status", "suspended", cwd=tmp_path).stdout)
+    assert held[0]["lease_owner"] == lease.owner
+    assert "cost" not in table
+
+
+async def test_runs_shows_cost_when_prices_were_known(tmp_path: Path) -> None:
+    """With a price table, `runs` adds what each run cost and what replay saved."""
+    db = tmp_path / "runs.db"
+    await priced_uncertain(db, "unsure")
+    table = cli("runs", cwd=tmp_path).stdout
+    paid = r"412/38\s*│\s*0\.0018\s*│"  # 412 x 3 + 38 x 15 per million tokens
+    assert re.search(rf"unsure\s*│.*{paid}\s*1\s*│\s*412/38\s*│\s*0\.0018", table)
+
+
+async def test_show_lists_effect_records(tmp_path: Path) -> None:
+    """`show` lists each effect's idem_key, status, remote_id and attempts (table and JSON)."""
+    db = tmp_path / "runs.db"
+    await closed_with_effect(db, "fee-3")
+    table = cli("show", "fee-3", cwd=tmp_path).stdout
+    assert re.search(
+        r"m1\.t1\s*│\s*fee-3:m1\.t1:[0-9a-f]{6}\s*│\s*confirmed\s*│\s*entry-0001\s*│\s*1", table
+    )
+    assert "awaiting: nothing from a person" in table
+    [effect] = json.loads(cli("show", "fee-3", "--json", cwd=tmp_path).stdout)["effects"]
+    assert (effect["status"], effect["remote_id"], effect["attempts"]) == (
+        "confirmed",
+        "entry-0001",
+        1,
+    )
+    assert effect["idem_key"].startswith("fee-3:m1.t1:")
+
+
+async def test_show_tells_how_to_resolve_an_uncertain_step(tmp_path: Path) -> None:
+    """An uncertain run's `show` names the step and the resolve command."""
+    await uncertain(tmp_path / "journal.db", "run-1")
+    out = cli("show", "run-1", "--store", "journal.db", cwd=tmp_path).stdout
+    assert 'awaiting a person: m1.t1 pay({"amount":120}) is uncertain' in out
+    assert (
+        "asiento resolve run-1 m1.t1 --happened [--remote-id ID] | --not-happened --by NAME"
+        " --store journal.db" in out
+    )
+
+
+async def test_approve_and_deny_print_the_exact_arguments(tmp_path: Path) -> None:
+    """`approve` prints the tool, the frozen arguments and their fingerprint it approved."""
+    db = tmp_path / "runs.db"
+    fp = await suspended(db, "run-1")
+    await suspended(db, "run-2")
+    approved = cli("approve", "run-1", "m1.t1", "--by", "ana", cwd=tmp_path).stdout
+    assert '  arguments    {"amount": 120}' in approved
+    assert f"  fingerprint  {fp}" in approved
+    denied = cli("deny", "run-2", "m1.t1", "--by", "ana", "--reason", "no", cwd=tmp_path).stdout
+    assert "denied run 'run-2' step 'm1.t1' (by ana: no)" in denied
+    assert '  arguments    {"amount": 120}' in denied
+
+
+async def test_approving_an_effect_prints_the_payload_it_will_publish(tmp_path: Path) -> None:
+    """For an effect, `approve` prints the frozen payload and the idempotency key it approved."""
+    await book(tmp_path / "runs.db", "fee-3", approval=True)
+    out = cli("approve", "fee-3", "m1.t1", "--by", "ana", cwd=tmp_path).stdout
+    assert '  prepared     {"account": "4300", "amount": 75}' in out
+    assert re.search(r"  idem_key     fee-3:m1\.t1:[0-9a-f]{6}", out)
+
+
+async def test_resolve_waits_for_a_session_that_holds_the_run(tmp_path: Path) -> None:
+    """While a live session holds the run, `resolve` refuses: the step may still record itself."""
+    db = tmp_path / "runs.db"
+    await uncertain(db, "run-1")
+    store = SqliteCheckpointer(db)
+    try:
+        await store.acquire("run-1", Holder.here(), ttl=600)
+    finally:
+        await store.close()
+    proc = cli("resolve", "run-1", "m1.t1", "--happened", "--by", "ana", cwd=tmp_path)
+    assert_one_line_error(proc, "is being driven right now")
+    shown = json.loads(cli("show", "run-1", "--json", cwd=tmp_path).stdout)
+    assert "resolution" not in [e["phase"] for e in shown["events"]]
+
+
+async def test_stores_are_named_by_path_or_url(tmp_path: Path) -> None:
+    """`--store` takes sqlite:/// URLs (never creating a missing file) and refuses other schemes."""
+    await suspended(tmp_path / "runs.db", "run-1")
+    listed = json.loads(cli("runs", "--json", "--store", "sqlite:///runs.db", cwd=tmp_path).stdout)
+    assert [r["run_id"] for r in listed] == ["run-1"]
+    env_listed = cli(
+        "runs", "--json", cwd=tmp_path / "..", env={"ASIENTO_STORE": str(tmp_path / "runs.db")}
+    )
+    assert [r["run_id"] for r in json.loads(env_listed.stdout)] == ["run-1"]
+    missing = cli("show", "run-1", "--store", "sqlite:///gone.db", cwd=tmp_path)
+    assert_one_line_error(missing, "no journal at gone.db")
+    assert not (tmp_path / "gone.db").exists()
+    assert_one_line_error(
+        cli("runs", "--store", "mysql://db/x", cwd=tmp_path), "cannot open a journal"
+    )
+
+
+async def test_a_journal_from_a_newer_asiento_is_refused(tmp_path: Path) -> None:
+    """A journal whose schema is newer than this asiento is refused in one line, untouched."""
+    db = tmp_path / "runs.db"
+    await suspended(db, "run-1")
+    with contextlib.closing(sqlite3.connect(db)) as conn:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        conn.execute(f"PRAGMA user_version = {version + 1}")
+    before = db.read_bytes()
+    proc = cli("runs", cwd=tmp_path)
+    assert_one_line_error(proc, f"schema {version + 1}", "Upgrade asiento")
+    assert db.read_bytes() == before
+
+
+def test_runs_on_postgresql_by_url(pg_dsn: str, tmp_path: Path) -> None:
+    """A postgresql:// store is opened by URL: `runs` lists what a run wrote there."""
+    params = {k: v for k, v in conninfo_to_dict(pg_dsn).items() if v is not None}
+    url = "postgresql://?" + urlencode(params)
+
+    async def write() -> None:
+        store = await open_store(url)
+        try:
+            await submit(store, "pg-run", "pay 120")
+        finally:
+            await store.close()
+
+    asyncio.run(write())
+    listed = json.loads(cli("runs", "--json", "--store", url, cwd=tmp_path).stdout)
+    assert [(r["run_id"], r["task"]) for r in listed] == [("pg-run", "pay 120")]
+
+
+# -- worker, serve, gateway ----------------------------------------------------------------
+
+APP_MODULE = '''
+import os, time
+from pathlib import Path
+from asiento import Agent, App, ModelResponse, ToolCall, tool
+from asiento import shutdown
+from asiento.testing import ScriptedGateway
+
+PAID = Path(os.environ["PAID"])
+SCRIPT = [
+    ModelResponse(tool_calls=[ToolCall(name="pay", arguments={"amount": 120})]),
+    ModelResponse(text="paid"),
+]
+
+@tool
+def pay(amount: int) -> str:
+    """Pay an amount."""
+    with PAID.open("a") as f:
+        f.write(f"{amount}\\n")
+        f.flush()
+        os.fsync(f.fileno())
+    if os.environ.get("SLOW"):
+        Path(os.environ["SLOW"]).touch()
+        time.sleep(1.5)
+    return "tx-1"
+
+app = App(agents={"billing": Agent(tools=[pay])}, gateway=lambda: ScriptedGateway(SCRIPT))
+not_an_app = 42
+'''
+
+
+async def submitted(db: Path, *run_ids: str) -> None:
+    """Queue runs for the billing agent on a fresh journal file."""
+    store = SqliteCheckpointer(db)
+    try:
+        for run_id in run_ids:
+            await submit(store, run_id, "pay 120", agent="billing")
+    finally:
+        await store.close()
+
+
+async def test_worker_drives_submitted_runs_until_idle(tmp_path: Path) -> None:
+    """`worker --until-idle` closes every submitted run, paying once each, and exits 0."""
+    (tmp_path / "billing.py").write_text(APP_MODULE)
+    await submitted(tmp_path / "runs.db", "a", "b")
+    env = {"PAID": str(tmp_path / "paid.log")}
+    proc = cli(
+        "worker", "--app", "billing:app", "--until-idle", "--poll", "0.05", cwd=tmp_path, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "claimed 2: closed 2" in proc.stderr
+    assert (tmp_path / "paid.log").read_text() == "120\n120\n"
+    listed = json.loads(cli("runs", "--json", cwd=tmp_path).stdout)
+    assert [(r["run_id"], r["status"]) for r in listed] == [("a", "closed"), ("b", "closed")]
+
+
+async def test_worker_stops_on_sigterm_with_75_and_the_run_resumes(tmp_path: Path) -> None:
+    """SIGTERM mid-tool: the payment finishes and is recorded, exit 75; no second payment."""
+    (tmp_path / "billing.py").write_text(APP_MODULE)
+    await submitted(tmp_path / "runs.db", "a")
+    started = tmp_path / "started"
+    env = {**clean_env(), "PAID": str(tmp_path / "paid.log"), "SLOW": str(started)}
+    argv = [sys.executable, "-m", "asiento", "worker", "--app", "billing:app"]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75, err
+    assert "stopped by a signal" in err
+    again = cli(
+        "worker", "--app", "billing:app", "--until-idle", cwd=tmp_path, env={"PAID": env["PAID"]}
+    )
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "paid.log").read_text() == "120\n"
+    shown = json.loads(cli("show", "a", "--json", cwd=tmp_path).stdout)
+    assert shown["status"] == "closed"
+
+
+async def test_worker_refuses_what_is_not_an_app(tmp_path: Path) -> None:
+    """`--app` naming a missing module, a missing attribute or something else is one line."""
+    (tmp_path / "billing.py").write_text(APP_MODULE)
+    await submitted(tmp_path / "runs.db", "a")
+    env = {"PAID": str(tmp_path / "paid.log")}
+    assert_one_line_error(
+        cli("worker", "--app", "nope:app", cwd=tmp_path, env=env), "cannot import 'nope'"
+    )
+    assert_one_line_error(
+        cli("worker", "--app", "billing:ghost", cwd=tmp_path, env=env), "has no 'ghost'"
+    )
+    assert_one_line_error(
+        cli("worker", "--app", "billing:not_an_app", cwd=tmp_path, env=env),
+        "is a int, not an asiento.App",
+    )
+    assert_one_line_error(cli("worker", "--app", "billing", cwd=tmp_path, env=env), "MODULE:ATTR")
+    missing = cli("worker", "--app", "billing:app", "--store", "nope.db", cwd=tmp_path, env=env)
+    assert_one_line_error(missing, "no journal at nope.db")
+    assert not (tmp_path / "paid.log").exists()
+    assert "no records yet: the run is queued" in cli("show", "a", cwd=tmp_path).stdout
+
+
+async def test_graceful_stops_do_not_park_a_run_that_makes_progress(tmp_path: Path) -> None:
+    """A run stopped by SIGTERM (exit 75) at every pass, progressing each time, is not parked.
+
+    Core bug: each claim counts as a failed attempt until the run is stable, and a
+    graceful stop never resets it, so after ``max_attempts`` deploys a healthy run
+    is parked as if its workers had died.
+    """
+
+    def answer(request: ModelRequest) -> ModelResponse:
+        turns = sum(1 for m in request.messages if m.role == "assistant")
+        if turns < 7:
+            return ModelResponse(tool_calls=[ToolCall(name="step", arguments={"n": turns})])
+        return ModelResponse(text="done")
+
+    @tool(idempotent=True)
+    def step(n: int) -> int:
+        """One step of a long run; a deploy sends SIGTERM while it runs."""
+        shutdown.request()
+        return n
+
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    app = App(agents={"a": Agent(tools=[step])}, gateway=lambda: ScriptedGateway(answer))
+    try:
+        await submit(store, "long", "work", agent="a")
+        for _ in range(7):
+            shutdown.reset()
+            with contextlib.suppress(shutdown.ShutdownRequested):
+                await Worker(store, app).run_once()
+            [info] = await store.runs()
+            assert info.status != "parked", info.reason
+    finally:
+        shutdown.reset()
+        await store.close()
+
+
+async def test_serve_prints_a_token_that_opens_the_page(tmp_path: Path) -> None:
+    """`serve --port 0` prints its URL and a generated token that logs in; a wrong one does not."""
+    await suspended(tmp_path / "runs.db", "run-1")
+    argv = [sys.executable, "-m", "asiento", "serve", "--port", "0"]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        url, token = first_lines(proc, 2)
+        assert url.startswith("asiento serve: http://127.0.0.1:")
+        assert url.endswith("(journal runs.db)")
+        base, secret = url.split()[2], token.split()[1]
+        assert len(secret) >= 24
+        with httpx.Client(base_url=base, timeout=30) as client:
+            assert "run-1" in client.get("/").text
+            wrong = client.post("/login", data={"by": "ana", "token": secret + "x"})
+            right = client.post(
+                "/login", data={"by": "ana", "token": secret}, follow_redirects=False
+            )
+        assert (wrong.status_code, right.status_code) == (401, 303)
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+async def test_serve_refuses_a_missing_store_and_a_weak_token(tmp_path: Path) -> None:
+    """`serve` on a missing file, or with a short $ASIENTO_WEB_TOKEN, stops at once in one line."""
+    assert_one_line_error(cli("serve", "--store", "nope.db", cwd=tmp_path), "no journal at nope.db")
+    assert list(tmp_path.iterdir()) == []
+    await suspended(tmp_path / "runs.db", "run-1")
+    weak = cli("serve", cwd=tmp_path, env={"ASIENTO_WEB_TOKEN": "short"})
+    assert_one_line_error(weak, "$ASIENTO_WEB_TOKEN has 5 characters")
+
+
+def test_gateway_serves_the_proxy(tmp_path: Path) -> None:
+    """`gateway --port 0` prints its URL, forwards upstream (502: it is down), creates --db."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    upstream = f"http://127.0.0.1:{dead}/v1"
+    argv = [
+        sys.executable,
+        "-m",
+        "asiento",
+        "gateway",
+        "--upstream",
+        upstream,
+        "--db",
+        "keys.db",
+        "--port",
+        "0",
+    ]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        [line] = first_lines(proc, 1)
+        assert f"-> {upstream}" in line
+        answer = httpx.post(line.split()[2] + "/chat/completions", json={"model": "m"}, timeout=30)
+        assert answer.status_code == 502
+        assert answer.json()["error"]["code"] == "upstream"
+        assert (tmp_path / "keys.db").is_file()
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+def test_gateway_defaults_are_the_proxys() -> None:
+    """The defaults `gateway --help` documents are the proxy's own."""
+    from asiento.cli import gateway
+    from asiento.proxy import DEFAULT_PORT, DEFAULT_TTL, DEFAULT_UPSTREAM
+
+    defaults = {p.name: p.default for p in gateway.params}
+    assert (defaults["upstream"], defaults["port"], defaults["ttl"]) == (
+        DEFAULT_UPSTREAM,
+        DEFAULT_PORT,
+        DEFAULT_TTL,
+    )
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without crash points, tokens or a store."""
+    drop = {"ASIENTO_CRASH_AT", "ASIENTO_WEB_TOKEN", "ASIENTO_STORE"}
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def first_lines(proc: subprocess.Popen[str], n: int) -> list[str]:
+    """The first ``n`` lines a server prints on stderr (within 30 s)."""
+    assert proc.stderr is not None
+    lines: queue.Queue[str] = queue.Queue()
+    stream = proc.stderr
+    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+    try:
+        return [lines.get(timeout=30).strip() for _ in range(n)]
+    except queue.Empty:
+        proc.kill()
+        pytest.fail(f"{proc.args} printed fewer than {n} lines", pytrace=False)

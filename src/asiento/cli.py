@@ -1,45 +1,53 @@
-"""The ``asiento`` command: the durability demo, and a look at (and a hand in) a journal.
+"""The ``asiento`` command: look at a journal, decide for it, and run its servers.
 
-Every command goes through the public API (``SqliteCheckpointer``, ``approve``,
-``deny``, ``resolve``); none touches the database directly. Commands on a
-journal never create one: a missing file is an error. Any asiento error is one
+Every command on a journal takes ``--store PATH_OR_URL`` (an SQLite file,
+``sqlite:///path.db`` or ``postgresql://...``; default ``./runs.db``) and goes
+through the public API: ``open_store``, the ``Checkpointer`` protocol,
+``approve``, ``deny``, ``resolve``. None touches the database directly, and none
+creates a journal: a missing SQLite file is an error. Any asiento error is one
 line on stderr and exit status 1.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import json
-from collections.abc import Awaitable, Callable, Mapping
-from datetime import datetime
+import logging
+import os
+import secrets
+import shlex
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
 from rich.console import Console
-from rich.table import Table
 
+from . import _cli_format as fmt
+from . import shutdown
 from .errors import AsientoError, UsageError
 from .events import RunInfo, RunStatus, StepEvent
 from .harness import approve as approve_step
 from .harness import deny as deny_step
 from .harness import resolve as resolve_step
-from .journal import SqliteCheckpointer
+from .journal.base import Checkpointer
 
 T = TypeVar("T")
 
-DEFAULT_STORE = Path("runs.db")
-PAYLOAD_WIDTH = 60
+TOKEN_ENV = "ASIENTO_WEB_TOKEN"
+MIN_TOKEN = 16
 
 store_option = click.option(
     "--store",
-    type=click.Path(dir_okay=False, path_type=Path),
-    default=DEFAULT_STORE,
+    default=fmt.DEFAULT_STORE,
     show_default=True,
-    help="The journal file (SQLite).",
+    envvar="ASIENTO_STORE",
+    show_envvar=True,
+    metavar="PATH_OR_URL",
+    help="The journal: an SQLite file, sqlite:///path.db, or postgresql://... (never created).",
 )
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 by_option = click.option("--by", required=True, help="Who decides (recorded in the journal).")
 
 
@@ -50,13 +58,11 @@ class CommandError(click.ClickException):
         super().__init__(" ".join(message.split()))
 
 
-def with_store(path: Path, job: Callable[[SqliteCheckpointer], Awaitable[T]]) -> T:
+def with_store(url: str, job: Callable[[Checkpointer], Awaitable[T]]) -> T:
     """Open an existing journal, run ``job`` on it, close it; asiento errors become one line."""
-    if not path.is_file():
-        raise CommandError(f"no journal at {path} (nothing was created); pass --store PATH")
 
     async def go() -> T:
-        store = SqliteCheckpointer(path)
+        store = await fmt.open_existing(url)
         try:
             return await job(store)
         finally:
@@ -68,44 +74,8 @@ def with_store(path: Path, job: Callable[[SqliteCheckpointer], Awaitable[T]]) ->
         raise CommandError(str(exc)) from None
 
 
-async def known_run(store: SqliteCheckpointer, run_id: str) -> list[StepEvent]:
-    """The run's timeline; an unknown run is a usage error naming the file."""
-    events = await store.load(run_id)
-    if not events:
-        raise UsageError(f"unknown run {run_id!r} in {store.path}")
-    return events
-
-
-async def run_status(store: SqliteCheckpointer, run_id: str) -> str:
-    for info in await store.runs():
-        if info.run_id == run_id:
-            return info.status.value
-    return "unknown"
-
-
-def when(timestamp: float) -> str:
-    return datetime.fromtimestamp(timestamp).isoformat(sep=" ", timespec="seconds")
-
-
-def short(payload: Mapping[str, Any]) -> str:
-    """The payload on one line, fingerprints cut to 12 characters (--json has them whole)."""
-    shown = {k: v[:12] + "…" if k == "fp" and isinstance(v, str) else v for k, v in payload.items()}
-    text = json.dumps(shown, ensure_ascii=False, separators=(",", ":"))
-    return text if len(text) <= PAYLOAD_WIDTH else text[: PAYLOAD_WIDTH - 1] + "…"
-
-
-def run_json(info: RunInfo) -> dict[str, Any]:
-    return {**dataclasses.asdict(info), "status": info.status.value}
-
-
-def event_json(event: StepEvent) -> dict[str, Any]:
-    return {
-        "step_id": event.step_id,
-        "phase": event.phase.value,
-        "decision": None if event.decision is None else event.decision.value,
-        "payload": dict(event.payload),
-        "created_at": event.created_at,
-    }
+def console() -> Console:
+    return Console(highlight=False, soft_wrap=False)
 
 
 def print_json(data: Any) -> None:
@@ -115,7 +85,14 @@ def print_json(data: Any) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="asiento")
 def main() -> None:
-    """Resume LLM agents after a crash without repeating model calls or effects."""
+    """Resume LLM agents after a crash without repeating model calls or effects.
+
+    Look at a journal (runs, show), decide what waits for a person (approve,
+    deny, resolve), and run the servers (serve, worker, gateway).
+    """
+
+
+# -- the demo -------------------------------------------------------------------------------
 
 
 @main.command()
@@ -127,12 +104,15 @@ def main() -> None:
 )
 @click.option("--keep", is_flag=True, help="Keep the temporary journal and print its path.")
 def demo(store: Path | None, keep: bool) -> None:
-    """Kill a run with SIGKILL and resume it twice, counting every call (the seed's table)."""
+    """Kill a run with SIGKILL and resume it twice, counting every call.
+
+    Prints the seed's table, measured in real processes.
+    """
     from .demo import run_demo
 
     if store is not None and store.exists():
         raise CommandError(f"the demo needs a fresh journal, and {store} already exists")
-    raise SystemExit(run_demo(store, keep, Console(highlight=False)))
+    raise SystemExit(run_demo(store, keep, console()))
 
 
 @main.command("demo-pass", hidden=True)
@@ -146,60 +126,69 @@ def demo_pass(store: Path, counts: Path, number: int) -> None:
     child_main(store, counts, number)
 
 
+# -- looking -------------------------------------------------------------------------------
+
+
 @main.command()
 @store_option
 @click.option(
-    "--status", type=click.Choice([s.value for s in RunStatus]), help="Only runs in this status."
+    "--status",
+    "statuses",
+    multiple=True,
+    type=click.Choice([s.value for s in RunStatus]),
+    help="Only runs in this status; repeat for several.",
 )
 @json_option
-def runs(store: Path, status: str | None, as_json: bool) -> None:
-    """List the runs in a journal, oldest first."""
+def runs(store: str, statuses: tuple[str, ...], as_json: bool) -> None:
+    """List the runs, oldest first, with their lease and what they cost.
 
-    async def job(journal: SqliteCheckpointer) -> list[RunInfo]:
-        return await journal.runs(status=None if status is None else RunStatus(status))
+    Per run: status, journal records, last activity, the lease holder (while a
+    session drives it), model calls, tokens and cost paid, and "replayed" /
+    "saved": the model calls (and their tokens and cost) that resumed passes
+    took from the journal instead of paying for them again.
+    """
+
+    async def job(journal: Checkpointer) -> list[RunInfo]:
+        return [i for i in await journal.runs() if not statuses or i.status.value in statuses]
 
     infos = with_store(store, job)
     if as_json:
-        print_json([run_json(info) for info in infos])
+        print_json([fmt.run_json(info) for info in infos])
         return
-    table = Table(title=str(store))
-    longest = max((len(info.run_id) for info in infos), default=3)
-    table.add_column("run", min_width=min(longest, 32), overflow="fold")
-    for heading in ("status", "records", "model calls", "replayed", "updated"):
-        table.add_column(heading, no_wrap=True)
-    for info in infos:
-        table.add_row(
-            info.run_id,
-            info.status.value,
-            str(info.events),
-            str(info.model_calls),
-            str(info.replayed_calls),
-            when(info.updated_at),
-        )
-    Console(highlight=False).print(table)
+    console().print(fmt.runs_table(infos, title=fmt.shown_url(store)))
 
 
 @main.command()
 @click.argument("run_id", metavar="RUN")
 @store_option
 @json_option
-def show(run_id: str, store: Path, as_json: bool) -> None:
-    """Show a run's timeline: step, phase, decision and a short payload per record."""
+def show(run_id: str, store: str, as_json: bool) -> None:
+    """Show a run's timeline, its effects and what it awaits.
 
-    async def job(journal: SqliteCheckpointer) -> tuple[str, list[StepEvent]]:
-        events = await known_run(journal, run_id)
-        return await run_status(journal, run_id), events
+    The timeline is step by step and phase by phase, with decisions; effect
+    records show idem_key, status, remote_id and attempts; the steps waiting
+    for a person come last, with the command that decides each.
+    """
 
-    status, events = with_store(store, job)
+    async def job(journal: Checkpointer) -> tuple[RunInfo, list[StepEvent]]:
+        info = await fmt.find_run(journal, run_id)
+        return info, await journal.load(run_id)
+
+    info, events = with_store(store, job)
     if as_json:
-        print_json({"run_id": run_id, "status": status, "events": [event_json(e) for e in events]})
+        print_json(fmt.show_json(info, events))
         return
-    table = Table("step", "phase", "decision", "payload", title=f"run {run_id!r} · {status}")
-    table.columns[3].overflow = "ellipsis"
-    for event in events:
-        decision = "" if event.decision is None else event.decision.value
-        table.add_row(event.step_id, event.phase.value, decision, short(event.payload))
-    Console(highlight=False).print(table)
+    out = console()
+    for part in fmt.run_view(info, events, hint=_hint_store(store)):
+        out.print(part)
+
+
+def _hint_store(store: str) -> str:
+    """The --store part of a suggested command (empty for the default store)."""
+    return "" if store == fmt.DEFAULT_STORE else f" --store {shlex.quote(store)}"
+
+
+# -- deciding ------------------------------------------------------------------------------
 
 
 @main.command()
@@ -207,19 +196,31 @@ def show(run_id: str, store: Path, as_json: bool) -> None:
 @click.argument("step_id", metavar="STEP")
 @by_option
 @click.option("--reason", default="", help="Why (recorded in the journal).")
-@click.option("--fingerprint", help="Approve only if the frozen arguments have this fingerprint.")
+@click.option(
+    "--fingerprint",
+    help="Approve only if the frozen arguments have this fingerprint (default: the ones shown).",
+)
 @store_option
 def approve(
-    run_id: str, step_id: str, by: str, reason: str, fingerprint: str | None, store: Path
+    run_id: str, step_id: str, by: str, reason: str, fingerprint: str | None, store: str
 ) -> None:
-    """Approve a step awaiting approval; the next pass runs it exactly once."""
+    """Approve a step awaiting approval; the next pass runs it once.
 
-    async def job(journal: SqliteCheckpointer) -> None:
-        await known_run(journal, run_id)
-        await approve_step(journal, run_id, step_id, by=by, reason=reason, fingerprint=fingerprint)
+    Approves exactly the frozen arguments it prints (their fingerprint is
+    recorded). Refused when the step is not awaiting a decision or was decided
+    already.
+    """
 
-    with_store(store, job)
-    click.echo(f"approved run {run_id!r} step {step_id!r} (by {by}); resume the run to go on")
+    async def job(journal: Checkpointer) -> fmt.Waiting:
+        waiting = await fmt.awaiting_decision(journal, run_id, step_id)
+        fp = fingerprint if fingerprint is not None else waiting.fingerprint
+        await approve_step(journal, run_id, step_id, by=by, reason=reason, fingerprint=fp)
+        return waiting
+
+    waiting = with_store(store, job)
+    click.echo(f"approved run {run_id!r} step {step_id!r} (by {by}); these exact arguments:")
+    click.echo(fmt.call_lines(waiting))
+    click.echo("Resume the run to go on (a worker picks up a submitted run by itself).")
 
 
 @main.command()
@@ -228,15 +229,22 @@ def approve(
 @by_option
 @click.option("--reason", required=True, help="Why (the model is told).")
 @store_option
-def deny(run_id: str, step_id: str, by: str, reason: str, store: Path) -> None:
-    """Deny a step awaiting approval; the model is told it was denied, and why."""
+def deny(run_id: str, step_id: str, by: str, reason: str, store: str) -> None:
+    """Deny a step awaiting approval; the model is told it was denied, and why.
 
-    async def job(journal: SqliteCheckpointer) -> None:
-        await known_run(journal, run_id)
-        await deny_step(journal, run_id, step_id, by=by, reason=reason)
+    Refused when the step is not awaiting a decision or was decided already.
+    """
 
-    with_store(store, job)
-    click.echo(f"denied run {run_id!r} step {step_id!r} (by {by}); resume the run to go on")
+    async def job(journal: Checkpointer) -> fmt.Waiting:
+        waiting = await fmt.awaiting_decision(journal, run_id, step_id)
+        fp = waiting.fingerprint
+        await deny_step(journal, run_id, step_id, by=by, reason=reason, fingerprint=fp)
+        return waiting
+
+    waiting = with_store(store, job)
+    click.echo(f"denied run {run_id!r} step {step_id!r} (by {by}: {reason}); it asked for:")
+    click.echo(fmt.call_lines(waiting))
+    click.echo("Resume the run to go on: the model is told about the denial.")
 
 
 @main.command()
@@ -247,20 +255,197 @@ def deny(run_id: str, step_id: str, by: str, reason: str, store: Path) -> None:
     default=None,
     help="What you found at the destination: the effect happened, or it did not.",
 )
-@click.option("--remote-id", help="The destination's id for the effect, if it happened.")
+@click.option("--remote-id", help="The destination's id for the effect (with --happened).")
 @by_option
+@click.option("--reason", default="", help="How you know (recorded in the journal).")
 @store_option
 def resolve(
-    run_id: str, step_id: str, happened: bool | None, remote_id: str | None, by: str, store: Path
+    run_id: str,
+    step_id: str,
+    happened: bool | None,
+    remote_id: str | None,
+    by: str,
+    reason: str,
+    store: str,
 ) -> None:
-    """Record what you found about an uncertain effect, so the run can go on."""
+    """Record what you found about an uncertain effect, so the run can go on.
+
+    --happened feeds the finding to the model as the step's outcome;
+    --not-happened lets the next pass run the effect once more.
+    """
     if happened is None:
         raise CommandError("say what you found: --happened or --not-happened")
+    if remote_id is not None and not happened:
+        raise CommandError("--remote-id names an effect that happened; drop it or say --happened")
 
-    async def job(journal: SqliteCheckpointer) -> None:
-        await known_run(journal, run_id)
-        await resolve_step(journal, run_id, step_id, happened=happened, by=by, remote_id=remote_id)
+    async def job(journal: Checkpointer) -> fmt.Waiting:
+        waiting = await fmt.awaiting_resolution(journal, run_id, step_id)
+        await resolve_step(
+            journal, run_id, step_id, happened=happened, by=by, remote_id=remote_id, reason=reason
+        )
+        return waiting
 
-    with_store(store, job)
+    waiting = with_store(store, job)
     found = "happened" if happened else "did not happen (the next pass runs it once more)"
-    click.echo(f"recorded: run {run_id!r} step {step_id!r} {found} (by {by})")
+    click.echo(f"recorded: run {run_id!r} step {step_id!r} {found} (by {by}); the effect:")
+    click.echo(fmt.call_lines(waiting))
+
+
+# -- servers -------------------------------------------------------------------------------
+
+
+@main.command()
+@store_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port", default=8765, show_default=True, type=int, help="Port (0: any free one, printed)."
+)
+@click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    help="Another Host name the page answers to (behind a proxy); repeat for several.",
+)
+def serve(store: str, host: str, port: int, allowed_hosts: tuple[str, ...]) -> None:
+    """Serve the web page for operators: runs, timelines, decisions.
+
+    Approve, deny and resolve buttons write the same records as the commands.
+
+    Needs the web extra (pip install 'asiento[web]'). Reading is open to whoever
+    reaches the port; every write needs the token, taken from $ASIENTO_WEB_TOKEN
+    or generated and printed at start.
+    """
+    try:
+        from .web import serve as serve_web
+    except ImportError as exc:
+        raise CommandError(
+            f"asiento serve needs the web extra: pip install 'asiento[web]' ({exc})"
+        ) from None
+    with_store(store, lambda journal: journal.runs())  # a clear error now, not in the server
+    token = os.environ.get(TOKEN_ENV, "")
+    if token and len(token) < MIN_TOKEN:
+        raise CommandError(f"${TOKEN_ENV} has {len(token)} characters; use at least {MIN_TOKEN}")
+    shown = f"from ${TOKEN_ENV}" if token else None
+    token = token or secrets.token_urlsafe(24)
+    serve_web(
+        store,
+        token=token,
+        host=host,
+        port=port,
+        allowed_hosts=allowed_hosts,
+        token_shown=shown or token,
+    )
+
+
+@main.command()
+@store_option
+@click.option(
+    "--app",
+    "target",
+    required=True,
+    metavar="MODULE:ATTR",
+    help="Where the asiento.App is, e.g. myagents:app (MODULE is imported from the cwd).",
+)
+@click.option("--poll", default=0.5, show_default=True, type=float, help="Seconds between looks.")
+@click.option("--until-idle", is_flag=True, help="Stop when no run needs work.")
+def worker(store: str, target: str, poll: float, until_idle: bool) -> None:
+    """Claim submitted runs that need work and drive them with the app's agents.
+
+    SIGTERM or SIGINT lets the step in flight finish, then the worker stops with
+    exit status 75 and the run stays resumable by any worker.
+    """
+    from .worker import App, Worker
+
+    try:
+        app = fmt.load_target(target)
+    except UsageError as exc:
+        raise CommandError(f"--app {target}: {exc}") from None
+    if not isinstance(app, App):
+        raise CommandError(f"--app {target} is a {type(app).__name__}, not an asiento.App")
+    if poll <= 0:
+        raise CommandError("--poll must be a positive number of seconds")
+    logging.basicConfig(level=logging.WARNING, format="asiento worker: %(message)s")
+    shutdown.install()
+
+    async def job(journal: Checkpointer) -> Worker:
+        agents = ", ".join(sorted(app.agents))
+        where = fmt.shown_url(store)
+        click.echo(f"asiento worker: pid {os.getpid()} on {where}; agents: {agents}", err=True)
+        running = Worker(journal, app, poll=poll)
+        with contextlib.suppress(shutdown.ShutdownRequested):  # the run stays resumable
+            await running.run(until_idle=until_idle)
+        return running
+
+    stats = with_store(store, job).stats
+    click.echo(
+        f"asiento worker: claimed {stats.claimed}: closed {stats.closed}, suspended "
+        f"{stats.suspended}, uncertain {stats.uncertain}, failed {stats.failed}",
+        err=True,
+    )
+    if shutdown.requested():
+        click.echo("asiento worker: stopped by a signal; the runs are resumable", err=True)
+        raise SystemExit(shutdown.EXIT_CODE)
+
+
+@main.command()
+@click.option(
+    "--upstream",
+    default="https://api.openai.com/v1",
+    show_default=True,
+    help="The base URL an SDK would be given; /v1/X is sent to URL/X.",
+)
+@click.option(
+    "--db",
+    default="gateway.db",
+    show_default=True,
+    type=click.Path(dir_okay=False),
+    help="The proxy's SQLite file (created if missing).",
+)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port", default=8787, show_default=True, type=int, help="Port (0: any free one, printed)."
+)
+@click.option(
+    "--ttl", default=86400.0, show_default=True, type=float, help="Seconds an answer is kept."
+)
+@click.option(
+    "--wait",
+    default=600.0,
+    show_default=True,
+    type=float,
+    help="Seconds a request waits for the same key's answer in flight.",
+)
+@click.option(
+    "--upstream-timeout",
+    default=600.0,
+    show_default=True,
+    type=float,
+    help="Timeout of one upstream call, in seconds.",
+)
+def gateway(
+    upstream: str, db: str, host: str, port: int, ttl: float, wait: float, upstream_timeout: float
+) -> None:
+    """Run an OpenAI-compatible proxy that honours Idempotency-Key durably.
+
+    A resumed run that asks again for an answer already paid gets it from the
+    proxy's file instead of a second generation. Needs the gateway extra
+    (pip install 'asiento[gateway]').
+    """
+    try:
+        from .proxy import serve as serve_proxy
+    except ImportError as exc:
+        raise CommandError(
+            f"asiento gateway needs the gateway extra: pip install 'asiento[gateway]' ({exc})"
+        ) from None
+    try:
+        serve_proxy(
+            upstream,
+            db=db,
+            host=host,
+            port=port,
+            ttl=ttl,
+            wait=wait,
+            upstream_timeout=upstream_timeout,
+        )
+    except (AsientoError, OSError) as exc:
+        raise CommandError(str(exc)) from None

@@ -15,6 +15,7 @@ from .journal.base import Checkpointer, check_id
 from .lease import Holder
 from .ledger import PriceTable
 from .model import Gateway
+from .shutdown import ShutdownRequested
 
 log = logging.getLogger("asiento")
 
@@ -99,13 +100,17 @@ class Session:
         lease = await self._acquire()
         before = self.stats.savings()
         keeper = asyncio.create_task(self._keep_alive(lease))
+        clean = False
         try:
             yield lease
+        except ShutdownRequested:
+            clean = True
+            raise
         finally:
             keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
-            await self._release(lease, before)
+            await self._release(lease, before, clean=clean)
 
     async def _acquire(self) -> Lease:
         if self._claimed is not None:  # a worker claimed the run for this session
@@ -135,7 +140,7 @@ class Session:
             except AsientoError as exc:
                 log.warning("run %r: could not renew the lease: %s", self.run_id, exc)
 
-    async def _release(self, lease: Lease, before: Savings) -> None:
+    async def _release(self, lease: Lease, before: Savings, *, clean: bool) -> None:
         now = self.stats.savings()
         pass_savings = Savings(
             calls=now.calls - before.calls,
@@ -144,6 +149,6 @@ class Session:
             cost=now.cost - before.cost,
         )
         try:
-            await self.store.release(lease, savings=pass_savings)
+            await self.store.release(lease, savings=pass_savings, clean=clean)
         except AsientoError as exc:  # never hide the error that ended the body
             log.warning("run %r: could not release the lease: %s", self.run_id, exc)

@@ -153,7 +153,8 @@ SET_TTL = "UPDATE runs SET lease_ttl = %s WHERE run_id = %s AND fence = %s"
 RELEASE = """
 UPDATE runs SET lease_owner = NULL, lease_expires = NULL,
     replayed_calls = replayed_calls + %s, saved_input_tokens = saved_input_tokens + %s,
-    saved_output_tokens = saved_output_tokens + %s, saved_cost = saved_cost + %s
+    saved_output_tokens = saved_output_tokens + %s, saved_cost = saved_cost + %s,
+    attempts = CASE WHEN %s THEN greatest(attempts - 1, 0) ELSE attempts END
 WHERE run_id = %s AND fence = %s AND lease_owner = %s
 """
 

@@ -43,8 +43,14 @@ class Checkpointer(Protocol):
         """Extend a current lease, or raise ``LeaseLost``."""
         ...
 
-    async def release(self, lease: Lease, *, savings: Savings | None = None) -> None:
-        """Give the lease up (if still held) and add what the pass did not pay again."""
+    async def release(
+        self, lease: Lease, *, savings: Savings | None = None, clean: bool = False
+    ) -> None:
+        """Give the lease up (if still held) and add what the pass did not pay again.
+
+        ``clean``: the pass stopped on request (a graceful shutdown), so its claim
+        does not count towards parking the run.
+        """
         ...
 
     async def load(self, run_id: str) -> list[StepEvent]:

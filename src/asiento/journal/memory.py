@@ -112,7 +112,9 @@ class MemoryCheckpointer:
         expires = time.time() + ttl
         return Lease(run_id=lease.run_id, token=lease.token, owner=lease.owner, expires=expires)
 
-    async def release(self, lease: Lease, *, savings: Savings | None = None) -> None:
+    async def release(
+        self, lease: Lease, *, savings: Savings | None = None, clean: bool = False
+    ) -> None:
         info, saved = self._runs.get(lease.run_id), savings or Savings()
         if info is None or info.fence != lease.token or info.lease_owner != lease.owner:
             return
@@ -124,6 +126,7 @@ class MemoryCheckpointer:
             saved_input_tokens=info.saved_input_tokens + saved.input_tokens,
             saved_output_tokens=info.saved_output_tokens + saved.output_tokens,
             saved_cost=info.saved_cost + saved.cost,
+            attempts=max(info.attempts - 1, 0) if clean else info.attempts,
         )
 
     async def load(self, run_id: str) -> list[StepEvent]:

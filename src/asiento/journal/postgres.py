@@ -196,13 +196,16 @@ class PostgresCheckpointer:
 
         return await self._idempotent(extend)
 
-    async def release(self, lease: Lease, *, savings: Savings | None = None) -> None:
+    async def release(
+        self, lease: Lease, *, savings: Savings | None = None, clean: bool = False
+    ) -> None:
         saved = savings or Savings()
         args = (
             saved.calls,
             saved.input_tokens,
             saved.output_tokens,
             saved.cost,
+            clean,
             lease.run_id,
             lease.token,
         )

@@ -191,19 +191,23 @@ class SqliteCheckpointer:
             self._check_lease(lease)
         return Lease(run_id=lease.run_id, token=lease.token, owner=lease.owner, expires=now + ttl)
 
-    async def release(self, lease: Lease, *, savings: Savings | None = None) -> None:
+    async def release(
+        self, lease: Lease, *, savings: Savings | None = None, clean: bool = False
+    ) -> None:
         saved = savings or Savings()
         with self._errors(), self._transaction():
             self._db.execute(
                 "UPDATE runs SET lease_owner = NULL, lease_expires = NULL,"
                 " replayed_calls = replayed_calls + ?, saved_input_tokens = saved_input_tokens + ?,"
-                " saved_output_tokens = saved_output_tokens + ?, saved_cost = saved_cost + ?"
+                " saved_output_tokens = saved_output_tokens + ?, saved_cost = saved_cost + ?,"
+                " attempts = CASE WHEN ? THEN max(attempts - 1, 0) ELSE attempts END"
                 " WHERE run_id = ? AND fence = ? AND lease_owner = ?",
                 (
                     saved.calls,
                     saved.input_tokens,
                     saved.output_tokens,
                     saved.cost,
+                    clean,
                     lease.run_id,
                     lease.token,
                     lease.owner,

@@ -1,0 +1,514 @@
+"""What a person sees of a journal, and the checks before a person writes to it.
+
+Shared by the ``asiento`` command and the web page (``asiento.web``), so both
+show the same timeline, the same steps waiting for a person and the same
+errors. Everything here reads through the ``Checkpointer`` protocol; the
+writes themselves are ``asiento.approve`` / ``deny`` / ``resolve``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import re
+import shlex
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from .effects.records import EffectRecord, effect_records_of
+from .errors import ApprovalError, UsageError
+from .events import FINAL_STEP_ID, Decision, Phase, RunInfo, RunStatus, StepEvent
+from .journal.base import Checkpointer
+from .journal.url import open_store
+from .replay import StepState, step_state
+
+DEFAULT_STORE = "runs.db"
+SUMMARY_WIDTH = 90
+
+Journal = dict[str, dict[Phase, StepEvent]]
+
+
+# -- opening a journal that exists ---------------------------------------------------
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file an SQLite store URL (or plain path) names; None for other backends."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return Path(url)
+    if scheme != "sqlite":
+        return None
+    path = rest.partition("?")[0]
+    return Path(path[1:]) if path.startswith("/") and len(path) > 1 else None
+
+
+def shown_url(url: str) -> str:
+    """A store URL fit to print: a password in it is replaced by ``***``."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
+
+
+async def open_existing(url: str | os.PathLike[str]) -> Checkpointer:
+    """Open a journal that already exists: a missing SQLite file is an error, never created."""
+    text = os.fspath(url)
+    path = sqlite_file(text)
+    if path is not None and not path.is_file():
+        what = "is a directory, not a journal" if path.is_dir() else "(nothing was created)"
+        raise UsageError(f"no journal at {path} {what}; pass --store PATH_OR_URL")
+    return await open_store(text)
+
+
+# -- one run --------------------------------------------------------------------------
+
+
+async def find_run(store: Checkpointer, run_id: str) -> RunInfo:
+    """The run's line in the index; an unknown run is a ``UsageError`` naming it."""
+    for info in await store.runs():
+        if info.run_id == run_id:
+            return info
+    raise UsageError(f"unknown run {run_id!r} in this journal; `asiento runs` lists them")
+
+
+def index(events: Sequence[StepEvent]) -> Journal:
+    """The timeline as step id -> phase -> record, steps in the order they first appear."""
+    journal: Journal = {}
+    for event in events:
+        journal.setdefault(event.step_id, {})[event.phase] = event
+    return journal
+
+
+def timeline(events: Sequence[StepEvent]) -> list[tuple[str, list[StepEvent]]]:
+    """Step by step (in the order steps first appear), phase by phase (in write order)."""
+    return [(step_id, list(phases.values())) for step_id, phases in index(events).items()]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Waiting:
+    """A tool step that waits: for a decision, for a person's finding, or for its outcome.
+
+    ``kind`` is ``approval`` (a person approves or denies), ``resolution`` (an
+    uncertain effect: a person says whether it happened) or ``in_flight``
+    (submitted, no outcome yet, and the run is not marked uncertain).
+    """
+
+    run_id: str
+    step_id: str
+    record_id: str
+    kind: str
+    tool: str
+    args: Any
+    fingerprint: str
+    prepared: Any = None
+    idem_key: str | None = None
+    attempts: int = 0
+    since: float = 0.0
+
+    @property
+    def needs_person(self) -> bool:
+        return self.kind in ("approval", "resolution")
+
+
+def waiting_of(events: Sequence[StepEvent], status: RunStatus) -> list[Waiting]:
+    """The tool steps of a run that have no outcome yet and why, in step order."""
+    journal = index(events)
+    found = []
+    for step_id, phases in journal.items():
+        if Phase.INTENT not in phases or "/" in step_id:
+            continue
+        state = step_state(journal, step_id)
+        kind = _awaits(state.records, status)
+        if kind is not None:
+            latest = max(e.created_at for e in state.records.values())
+            found.append(_waiting(state.records[Phase.INTENT], state, kind, latest))
+    return found
+
+
+def _awaits(records: Mapping[Phase, StepEvent], status: RunStatus) -> str | None:
+    if records[Phase.INTENT].decision == Decision.REQUIRE_APPROVAL and (
+        Phase.APPROVAL not in records
+    ):
+        return "approval"
+    if Phase.SUBMITTED in records and not {Phase.RESULT, Phase.RESOLUTION} & records.keys():
+        return "resolution" if status == RunStatus.UNCERTAIN else "in_flight"
+    return None
+
+
+def _waiting(intent: StepEvent, state: StepState, kind: str, since: float) -> Waiting:
+    payload = intent.payload
+    return Waiting(
+        run_id=intent.run_id,
+        step_id=state.step_id,
+        record_id=state.current_id,
+        kind=kind,
+        tool=str(payload.get("tool", "")),
+        args=payload.get("args", {}),
+        fingerprint=str(payload.get("fp", "")),
+        prepared=payload.get("prepared"),
+        idem_key=payload.get("idem_key"),
+        attempts=state.attempt if Phase.SUBMITTED in state.records else state.attempt - 1,
+        since=since,
+    )
+
+
+async def awaiting_decision(store: Checkpointer, run_id: str, step_id: str) -> Waiting:
+    """The step a person is about to approve or deny, or an ``ApprovalError`` saying why not."""
+    info = await find_run(store, run_id)
+    records = {e.phase: e for e in await store.load_step(run_id, step_id)}
+    where = f"run {run_id!r} step {step_id!r}"
+    if not records:
+        raise UsageError(f"run {run_id!r} has no step {step_id!r}; `asiento show` lists its steps")
+    decided = records.get(Phase.APPROVAL)
+    if decided is not None:
+        raise ApprovalError(f"{where} was already {decided_by(decided)}; nothing was recorded")
+    for waiting in waiting_of(await store.load(run_id), info.status):
+        if waiting.step_id == step_id and waiting.kind == "approval":
+            return waiting
+    raise ApprovalError(f"{where} is not awaiting approval")
+
+
+async def awaiting_resolution(store: Checkpointer, run_id: str, step_id: str) -> Waiting:
+    """The uncertain step a person is about to resolve, or a ``UsageError`` saying why not."""
+    info = await find_run(store, run_id)
+    events = await store.load(run_id)
+    base = step_id.split("/", 1)[0]
+    if base not in index(events):
+        raise UsageError(f"run {run_id!r} has no step {step_id!r}; `asiento show` lists its steps")
+    for waiting in waiting_of(events, info.status):
+        if waiting.step_id == base and waiting.kind != "approval":
+            _check_not_driven(info)
+            return waiting
+    raise UsageError(
+        f"run {run_id!r} step {step_id!r} is not uncertain (submitted with no recorded outcome)"
+    )
+
+
+def _check_not_driven(info: RunInfo) -> None:
+    """A step whose session is alive may still record its own outcome: wait for it."""
+    if lease_live(info):
+        raise UsageError(
+            f"run {info.run_id!r} is being driven right now (lease {lease_text(info)}); "
+            "its step may still record an outcome. Resolve it once the run stops"
+        )
+
+
+def decided_by(approval: StepEvent) -> str:
+    """``approved by ana at 12:00:01 (reason)``, from an approval record."""
+    verb = "approved" if approval.decision == Decision.APPROVED else "denied"
+    who = approval.payload.get("by") or "someone"
+    why = approval.payload.get("reason")
+    return f"{verb} by {who} at {when(approval.created_at)}" + (f" ({why})" if why else "")
+
+
+def call_lines(waiting: Waiting) -> str:
+    """The exact call a person decides about: tool, frozen arguments, payload, key, fingerprint."""
+    lines = [f"  tool         {waiting.tool}"]
+    lines.append(f"  arguments    {json.dumps(waiting.args, ensure_ascii=False, sort_keys=True)}")
+    if waiting.prepared is not None:
+        lines.append(f"  prepared     {json.dumps(waiting.prepared, ensure_ascii=False)}")
+    if waiting.idem_key:
+        lines.append(f"  idem_key     {waiting.idem_key}")
+    lines.append(f"  fingerprint  {waiting.fingerprint}")
+    return "\n".join(lines)
+
+
+def load_target(target: str) -> object:
+    """``module:attr``, imported with the current directory first on the path."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError("takes MODULE:ATTR (e.g. myagents:app)")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"cannot import {module_name!r}: {exc}") from None
+    try:
+        found: object = getattr(module, attr)
+    except AttributeError:
+        raise UsageError(f"module {module_name!r} has no {attr!r}") from None
+    return found
+
+
+# -- one line per record ----------------------------------------------------------------
+
+
+def summary(event: StepEvent) -> str:
+    """What a record says, on one line, for a person (the JSON has everything)."""
+    payload = event.payload
+    if event.step_id == FINAL_STEP_ID:
+        return f"closed after {payload.get('step')}: {_text(payload.get('text'))}"
+    if event.phase == Phase.RESULT and "response" in payload:
+        return _model_summary(payload["response"])
+    if event.phase == Phase.INTENT:
+        return _call(payload.get("tool"), payload.get("args")) + _key(payload)
+    if event.phase == Phase.APPROVAL:
+        return decided_by(event)
+    if event.phase == Phase.SUBMITTED:
+        return "submitted: made durable just before the tool ran"
+    if event.phase == Phase.RESOLUTION:
+        return _resolution_summary(payload)
+    return _result_summary(payload)
+
+
+def _model_summary(response: Mapping[str, Any]) -> str:
+    calls = [_call(c.get("name"), c.get("arguments")) for c in response.get("tool_calls", ())]
+    said = f"says {_text(response.get('text'))}" if response.get("text") else ""
+    asks = f"asks {', '.join(calls)}" if calls else ""
+    usage = response.get("usage")
+    tokens = f" [{usage[0]}+{usage[1]} tokens]" if usage else ""
+    return "; ".join(part for part in (said, asks) if part) + tokens
+
+
+def _result_summary(payload: Mapping[str, Any]) -> str:
+    status = payload.get("status")
+    remote = f" remote_id={payload['remote_id']}" if payload.get("remote_id") else ""
+    if status == "ok":
+        return f"ok: {_json(payload.get('value'))}{remote}"
+    if status == "denied":
+        return f"denied by {payload.get('by')}: {payload.get('reason')}"
+    return f"{status}: {payload.get('error')}"
+
+
+def _resolution_summary(payload: Mapping[str, Any]) -> str:
+    who = payload.get("by") or "someone"
+    why = f" ({payload['reason']})" if payload.get("reason") else ""
+    if payload.get("happened"):
+        remote = f", remote_id={payload['remote_id']}" if payload.get("remote_id") else ""
+        return f"a person found it happened{remote}: {who}{why}"
+    return f"a person found it did not happen (it runs once more): {who}{why}"
+
+
+def _call(name: Any, args: Any) -> str:
+    return f"{name}({_json(args)})"
+
+
+def _key(payload: Mapping[str, Any]) -> str:
+    return f" key={payload['idem_key']}" if payload.get("idem_key") else ""
+
+
+def _text(value: Any) -> str:
+    return json.dumps(value if isinstance(value, str) else "", ensure_ascii=False)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def clip(text: str, width: int = SUMMARY_WIDTH) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def when(timestamp: float | None) -> str:
+    """Local time, to the second."""
+    if timestamp is None:
+        return ""
+    return datetime.fromtimestamp(timestamp).isoformat(sep=" ", timespec="seconds")
+
+
+def recent(timestamp: float) -> str:
+    """Local time; today's without the date."""
+    moment = datetime.fromtimestamp(timestamp)
+    if moment.date() == datetime.now().date():
+        return moment.strftime("%H:%M:%S")
+    return moment.strftime("%Y-%m-%d %H:%M")
+
+
+def lease_live(info: RunInfo) -> bool:
+    """Whether a session holds the run's lease right now."""
+    return info.lease_owner is not None and (info.lease_expires or 0.0) >= time.time()
+
+
+def lease_text(info: RunInfo) -> str:
+    """Who holds the run, and for how long; empty when nobody does."""
+    if info.lease_owner is None or info.lease_expires is None:
+        return ""
+    left = info.lease_expires - time.time()
+    state = f"{left:.0f}s left" if left >= 0 else "expired"
+    return f"{info.lease_owner[:8]} ({state})"
+
+
+def tokens(inp: int, out: int) -> str:
+    return f"{inp:,} in / {out:,} out"
+
+
+def money(amount: float) -> str:
+    """A cost in the currency of the run's price table (empty when no price was known)."""
+    return f"{amount:.4f}" if amount else ""
+
+
+# -- JSON for scripts -------------------------------------------------------------------
+
+
+def run_json(info: RunInfo) -> dict[str, Any]:
+    return {**dataclasses.asdict(info), "status": info.status.value}
+
+
+def event_json(event: StepEvent) -> dict[str, Any]:
+    return {
+        "step_id": event.step_id,
+        "phase": event.phase.value,
+        "decision": None if event.decision is None else event.decision.value,
+        "payload": dict(event.payload),
+        "created_at": event.created_at,
+    }
+
+
+def effect_json(record: EffectRecord) -> dict[str, Any]:
+    return dataclasses.asdict(record)
+
+
+def waiting_json(waiting: Waiting) -> dict[str, Any]:
+    return dataclasses.asdict(waiting)
+
+
+def show_json(info: RunInfo, events: Sequence[StepEvent]) -> dict[str, Any]:
+    """Everything ``asiento show`` prints, as data."""
+    return {
+        "run_id": info.run_id,
+        "status": info.status.value,
+        "run": run_json(info),
+        "events": [event_json(e) for e in events],
+        "effects": [effect_json(r) for r in effect_records_of(events)],
+        "awaiting": [waiting_json(w) for w in waiting_of(events, info.status)],
+    }
+
+
+# -- tables for the terminal --------------------------------------------------------------
+
+STATUS_STYLE = {
+    "running": "cyan",
+    "suspended": "yellow",
+    "uncertain": "bold red",
+    "closed": "green",
+    "parked": "magenta",
+}
+
+
+def status_text(status: RunStatus | str) -> Text:
+    value = RunStatus(status).value
+    return Text(value, style=STATUS_STYLE.get(value, ""))
+
+
+RUN_COLUMNS: tuple[tuple[str, Callable[[RunInfo], RenderableType], bool], ...] = (
+    # heading, cell, shown only when some run was priced
+    ("status", lambda i: status_text(i.status), False),
+    ("records", lambda i: str(i.events), False),
+    ("last activity", lambda i: recent(i.updated_at), False),
+    ("lease", lease_text, False),
+    ("calls", lambda i: str(i.model_calls), False),
+    ("tokens in/out", lambda i: f"{i.input_tokens}/{i.output_tokens}", False),
+    ("cost", lambda i: money(i.cost), True),
+    ("replayed", lambda i: str(i.replayed_calls), False),
+    ("saved in/out", lambda i: f"{i.saved_input_tokens}/{i.saved_output_tokens}", False),
+    ("saved cost", lambda i: money(i.saved_cost), True),
+)
+
+
+def runs_table(infos: Sequence[RunInfo], *, title: str) -> Table:
+    """``asiento runs``: one row per run (the cost columns once some run was priced)."""
+    table = Table(title=title)
+    longest = max((len(info.run_id) for info in infos), default=3)
+    table.add_column("run", no_wrap=True, min_width=min(longest, 40))
+    priced = any(info.cost or info.saved_cost for info in infos)
+    columns = [(h, cell) for h, cell, needs_price in RUN_COLUMNS if priced or not needs_price]
+    for heading, _ in columns:
+        table.add_column(heading)
+    for info in infos:
+        table.add_row(info.run_id, *(cell(info) for _, cell in columns))
+    return table
+
+
+def run_view(info: RunInfo, events: Sequence[StepEvent], *, hint: str) -> list[RenderableType]:
+    """``asiento show``: the header, the timeline, the effects and what the run awaits."""
+    parts: list[RenderableType] = [_header(info)]
+    parts.append(_timeline(info, events))
+    effects = effect_records_of(events)
+    if effects:
+        parts.append(_effects(effects))
+    parts.extend(_awaited(waiting_of(events, info.status), hint))
+    return parts
+
+
+def _header(info: RunInfo) -> Text:
+    text = Text(f"run {info.run_id!r} · ")
+    text.append_text(status_text(info.status))
+    text.append(f" · {info.events} records · last activity {when(info.updated_at)}\n")
+    text.append(f"lease: {lease_text(info) or 'free'} (fence {info.fence})\n")
+    cost = f", cost {money(info.cost)}" if info.cost else ""
+    saved = f", {money(info.saved_cost)}" if info.saved_cost else ""
+    text.append(
+        f"model calls {info.model_calls} ({tokens(info.input_tokens, info.output_tokens)}{cost});"
+        f" replayed {info.replayed_calls} "
+        f"(saved {tokens(info.saved_input_tokens, info.saved_output_tokens)}{saved})"
+    )
+    if info.task is not None:
+        text.append(f"\ntask {info.task!r} for agent {info.agent!r}, claimed {info.attempts}×")
+    if info.reason:
+        text.append(f"\nnote: {info.reason}")
+    return text
+
+
+def _timeline(info: RunInfo, events: Sequence[StepEvent]) -> Table:
+    table = Table(title=f"timeline of {info.run_id!r}", title_justify="left")
+    for heading in ("step", "phase", "decision", "at"):
+        table.add_column(heading, no_wrap=True)
+    table.add_column("what", overflow="fold")
+    for step_id, records in timeline(events):
+        for n, event in enumerate(records):
+            table.add_row(
+                step_id if n == 0 else "",
+                event.phase.value,
+                "" if event.decision is None else event.decision.value,
+                when(event.created_at)[11:],
+                clip(summary(event)),
+            )
+    if not events:
+        table.add_row("", "", "", "", "no records yet: the run is queued for a worker")
+    return table
+
+
+def _effects(records: Sequence[EffectRecord]) -> Table:
+    table = Table(title="effects", title_justify="left")
+    for heading in ("step", "idem_key", "status", "remote_id", "attempts", "updated"):
+        table.add_column(heading, overflow="fold")
+    for r in records:
+        remote = r.remote_id or ""
+        table.add_row(r.step_id, r.idem_key, r.status, remote, str(r.attempts), when(r.updated_at))
+    return table
+
+
+def _awaited(waiting: Sequence[Waiting], hint: str) -> list[RenderableType]:
+    if not waiting:
+        return [Text("awaiting: nothing from a person")]
+    lines: list[RenderableType] = []
+    for w in waiting:
+        run = shlex.quote(w.run_id)
+        call = f"{w.tool}({_json(w.args)})"
+        if w.kind == "approval":
+            lines.append(
+                Text(f"awaiting approval: {w.step_id} {call}, fingerprint {w.fingerprint}")
+            )
+            lines.append(Text(f"  asiento approve {run} {w.step_id} --by NAME{hint}"))
+            lines.append(Text(f"  asiento deny {run} {w.step_id} --by NAME --reason WHY{hint}"))
+        elif w.kind == "resolution":
+            key = f", idem_key {w.idem_key}" if w.idem_key else ""
+            lines.append(Text(f"awaiting a person: {w.step_id} {call} is uncertain{key}"))
+            lines.append(
+                Text(
+                    f"  asiento resolve {run} {w.step_id} --happened [--remote-id ID] "
+                    f"| --not-happened --by NAME{hint}"
+                )
+            )
+        else:
+            lines.append(Text(f"in flight: {w.step_id} {call} was submitted at {when(w.since)}"))
+    return lines

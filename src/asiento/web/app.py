@@ -1,0 +1,409 @@
+"""The web page: runs, a run's timeline, and what waits for a person, with buttons.
+
+``create_app(store_url, token=...)`` is a Starlette app; ``serve(...)`` runs it
+with uvicorn on 127.0.0.1. Pages are rendered on the server (Jinja2, no
+JavaScript, no build step). The buttons post forms that call the same
+``approve`` / ``deny`` / ``resolve`` as the ``asiento`` command, after the same
+checks, so they write the same journal records. When two people decide the same
+step at once, the journal's primary key keeps the first decision and the second
+person is told who decided first. See ``security`` for the token and CSRF.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import Any
+from urllib.parse import parse_qsl, quote
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from .. import _cli_format as fmt
+from ..effects.records import effect_records_of
+from ..errors import ApprovalError, AsientoError, UsageError
+from ..events import Phase, RunInfo, RunStatus
+from ..harness import approve, deny, resolve
+from ..journal.base import Checkpointer
+from .security import LOOPBACK, SESSION_COOKIE, SESSION_TTL, AllowedHosts, Guard
+from .security import same_origin as _same_origin
+from .templates import STYLE, environment
+
+DEFAULT_PORT = 8765
+MAX_FORM = 64 * 1024
+_STYLE_HASH = base64.b64encode(hashlib.sha256(STYLE.encode()).digest()).decode()
+HEADERS = {
+    "content-security-policy": (
+        f"default-src 'none'; style-src 'sha256-{_STYLE_HASH}'; img-src 'self'; "
+        "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "x-frame-options": "DENY",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "same-origin",
+    "cache-control": "no-store",
+}
+
+
+class _Refused(Exception):
+    """A request the page answers with an explanation and an HTTP status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def run_url(run_id: str) -> str:
+    return "/runs/" + quote(run_id, safe="")
+
+
+def _pretty(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=2, sort_keys=True)
+
+
+class Pages:
+    """The routes of one app: one journal, one token."""
+
+    def __init__(self, store_url: str, guard: Guard) -> None:
+        self.store_url = store_url
+        self.guard = guard
+        self._store: Checkpointer | None = None
+        self.env = environment(
+            {
+                "when": fmt.when,
+                "lease": fmt.lease_text,
+                "summary": lambda event: fmt.clip(fmt.summary(event), 240),
+                "pretty": _pretty,
+                "runurl": run_url,
+                "money": fmt.money,
+            }
+        )
+
+    @property
+    def store(self) -> Checkpointer:
+        assert self._store is not None, "the app's lifespan opens the journal"
+        return self._store
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self._store = await fmt.open_existing(self.store_url)
+        try:
+            yield
+        finally:
+            await self._store.close()
+
+    # -- rendering ---------------------------------------------------------------------
+
+    def render(self, request: Request, name: str, code: int = 200, **context: Any) -> Response:
+        operator = self.guard.operator(request.cookies.get(SESSION_COOKIE))
+        page = self.env.get_template(name).render(
+            store=fmt.shown_url(self.store_url),
+            operator=operator,
+            csrf=self.guard.csrf(operator),
+            here=context.pop("here", request.url.path),
+            message=context.pop("message", ""),
+            message_kind=context.pop("message_kind", "info"),
+            **context,
+        )
+        return HTMLResponse(page, code, headers=HEADERS)
+
+    def problem(self, request: Request, status: int, message: str, back: str = "/") -> Response:
+        heading = {404: "Not found", 401: "Log in first"}.get(status, "Refused")
+        context = {"heading": heading, "message": message, "message_kind": "error"}
+        return self.render(request, "problem.html", status, here=back, back=back, **context)
+
+    # -- reading -----------------------------------------------------------------------
+
+    async def runs_page(self, request: Request) -> Response:
+        status = request.query_params.get("status", "")
+        everything = await self.store.runs()
+        counts: dict[str, int] = {}
+        for info in everything:
+            counts[info.status.value] = counts.get(info.status.value, 0) + 1
+        shown = [i for i in everything if not status or i.status.value == status]
+        return self.render(
+            request,
+            "runs.html",
+            runs=shown,
+            status=status,
+            statuses=[s.value for s in RunStatus],
+            counts=counts,
+            waiting=await self._waiting(everything),
+        )
+
+    async def _waiting(self, infos: Iterable[RunInfo]) -> list[fmt.Waiting]:
+        found = []
+        for info in infos:
+            if info.status in (RunStatus.SUSPENDED, RunStatus.UNCERTAIN):
+                events = await self.store.load(info.run_id)
+                found += [w for w in fmt.waiting_of(events, info.status) if w.needs_person]
+        return found
+
+    async def run_page(self, request: Request) -> Response:
+        run_id = request.path_params["run_id"]
+        try:
+            info = await fmt.find_run(self.store, run_id)
+        except UsageError as exc:
+            return self.problem(request, 404, str(exc))
+        done = request.query_params.get("done", "")
+        return await self.show_run(request, info, done=await self._done(run_id, done))
+
+    async def show_run(
+        self, request: Request, info: RunInfo, *, status: int = 200, error: str = "", done: str = ""
+    ) -> Response:
+        """The run's page, with an error (the decision was refused) or what was recorded."""
+        events = await self.store.load(info.run_id)
+        return self.render(
+            request,
+            "run.html",
+            status,
+            run=info,
+            timeline=fmt.timeline(events),
+            waiting=fmt.waiting_of(events, info.status),
+            effects=effect_records_of(events),
+            message=error or done,
+            message_kind="error" if error else "ok",
+        )
+
+    async def _done(self, run_id: str, step_id: str) -> str:
+        """The banner after a decision, read back from the journal (not from the URL)."""
+        if not step_id:
+            return ""
+        for event in reversed(await self.store.load(run_id)):
+            if event.step_id.split("/", 1)[0] == step_id and event.phase in _PERSON:
+                return f"Recorded: step {step_id} {fmt.summary(event)}."
+        return ""
+
+    # -- logging in --------------------------------------------------------------------
+
+    async def login_page(self, request: Request) -> Response:
+        target = _local(request.query_params.get("next", "/"))
+        return self.render(request, "login.html", next=target)
+
+    async def login(self, request: Request) -> Response:
+        form = await _form(request)
+        if not _same_origin(request):
+            return self.problem(request, 403, CROSS_SITE)
+        by, target = form.get("by", "").strip(), _local(form.get("next", "/"))
+        if not by or len(by) > 100 or not self.guard.token_ok(form.get("token", "")):
+            message = "Wrong token, or no name: both are needed to decide."
+            return self.render(
+                request, "login.html", 401, next=target, message=message, message_kind="error"
+            )
+        response = RedirectResponse(target, 303, headers=HEADERS)
+        response.set_cookie(
+            SESSION_COOKIE,
+            self.guard.cookie_for(by),
+            max_age=SESSION_TTL,
+            httponly=True,
+            samesite="strict",
+        )
+        return response
+
+    async def logout(self, request: Request) -> Response:
+        form = await _form(request)
+        operator = self.guard.operator(request.cookies.get(SESSION_COOKIE))
+        if not _same_origin(request) or (
+            operator is not None and not self.guard.csrf_ok(operator, form.get("csrf", ""))
+        ):
+            return self.problem(request, 403, CROSS_SITE)
+        response = RedirectResponse("/", 303, headers=HEADERS)
+        response.delete_cookie(SESSION_COOKIE, httponly=True, samesite="strict")
+        return response
+
+    # -- deciding ----------------------------------------------------------------------
+
+    def action(self, decide: Callable[[Mapping[str, str], str], Awaitable[str]]) -> Handler:
+        """A POST that writes: checked for origin, token and CSRF, then ``decide(form, by)``."""
+
+        async def endpoint(request: Request) -> Response:
+            back = "/"
+            try:
+                form = await _form(request)
+                back = run_url(form["run_id"]) if form.get("run_id") else "/"
+                by = self.authorize(request, form)
+                run_id = form.get("run_id", "")
+                info = await fmt.find_run(self.store, run_id)
+            except _Refused as exc:
+                return self.problem(request, exc.status, str(exc), back)
+            except UsageError as exc:
+                return self.problem(request, 404, str(exc))
+            try:
+                step_id = await decide(form, by)
+            except _Refused as exc:
+                return await self.refused(request, info, exc.status, str(exc))
+            except AsientoError as exc:
+                return await self.refused(request, info, 409, await self._conflict(form, exc))
+            target = f"{run_url(run_id)}?done={quote(step_id, safe='')}"
+            return RedirectResponse(target, 303, headers=HEADERS)
+
+        return endpoint
+
+    async def refused(self, request: Request, info: RunInfo, status: int, msg: str) -> Response:
+        fresh = await fmt.find_run(self.store, info.run_id)
+        return await self.show_run(request, fresh, status=status, error=msg)
+
+    def authorize(self, request: Request, form: Mapping[str, str]) -> str:
+        """Who writes: the session's person (with a valid CSRF field), or a Bearer's ``by``."""
+        if not _same_origin(request):
+            raise _Refused(403, CROSS_SITE)
+        header = request.headers.get("authorization")
+        if header is not None:
+            if not self.guard.bearer_ok(header):
+                raise _Refused(401, "Wrong token in the Authorization header. Nothing recorded.")
+            return _required(form, "by", "say who decides: a 'by' field")
+        operator = self.guard.operator(request.cookies.get(SESSION_COOKIE))
+        if operator is None:
+            raise _Refused(401, NEEDS_TOKEN)
+        if not self.guard.csrf_ok(operator, form.get("csrf", "")):
+            raise _Refused(403, STALE_FORM)
+        return operator.by
+
+    async def approve(self, form: Mapping[str, str], by: str) -> str:
+        return await self._decide(form, by, approved=True)
+
+    async def deny(self, form: Mapping[str, str], by: str) -> str:
+        return await self._decide(form, by, approved=False)
+
+    async def _decide(self, form: Mapping[str, str], by: str, *, approved: bool) -> str:
+        run_id, step_id = form.get("run_id", ""), form.get("step_id", "")
+        fp = _required(form, "fp", "the form lacks the fingerprint of the arguments shown")
+        reason = form.get("reason", "").strip()
+        if not approved and not reason:
+            raise _Refused(400, "A denial needs a reason: the model is told why. Nothing recorded.")
+        await fmt.awaiting_decision(self.store, run_id, step_id)
+        write = approve if approved else deny
+        await write(self.store, run_id, step_id, by=by, reason=reason, fingerprint=fp)
+        return step_id
+
+    async def resolve(self, form: Mapping[str, str], by: str) -> str:
+        run_id, step_id = form.get("run_id", ""), form.get("step_id", "")
+        happened = {"yes": True, "no": False}.get(form.get("happened", ""))
+        if happened is None:
+            raise _Refused(400, "Say what you found: it happened, or it did not.")
+        remote_id = form.get("remote_id", "").strip() or None
+        if remote_id is not None and not happened:
+            raise _Refused(400, "A remote id names an effect that happened; nothing recorded.")
+        await fmt.awaiting_resolution(self.store, run_id, step_id)
+        reason = form.get("reason", "").strip()
+        await resolve(
+            self.store,
+            run_id,
+            step_id,
+            happened=happened,
+            by=by,
+            remote_id=remote_id,
+            reason=reason,
+        )
+        return step_id
+
+    async def _conflict(self, form: Mapping[str, str], exc: AsientoError) -> str:
+        """Why a decision was not recorded; if someone decided first, who and what."""
+        run_id, step_id = form.get("run_id", ""), form.get("step_id", "")
+        first = [
+            e for e in await self.store.load(run_id) if e.step_id == step_id and e.phase in _PERSON
+        ]
+        if isinstance(exc, ApprovalError | UsageError) and first:
+            return (
+                f"Step {step_id} was already decided: {fmt.summary(first[0])}. "
+                "This decision was not recorded: the first decision wins."
+            )
+        return str(exc)
+
+
+_PERSON = (Phase.APPROVAL, Phase.RESOLUTION)
+CROSS_SITE = "Cross-site request refused: this form was not sent by this page. Nothing recorded."
+NEEDS_TOKEN = "This action needs the operator token: log in first. Nothing was recorded."
+STALE_FORM = (
+    "This form's CSRF field is missing or belongs to another session: reload the page and "
+    "try again. Nothing was recorded."
+)
+
+
+def _required(form: Mapping[str, str], name: str, why: str) -> str:
+    value = form.get(name, "").strip()
+    if not value:
+        raise _Refused(400, why[0].upper() + why[1:] + ". Nothing was recorded.")
+    return value
+
+
+def _local(target: str) -> str:
+    """Only a path on this server: never an open redirect to another site."""
+    ok = target.startswith("/") and not target.startswith("//") and "\\" not in target
+    return target if ok else "/"
+
+
+async def _form(request: Request) -> dict[str, str]:
+    """An urlencoded form body (the only kind the pages send); the last value of each field."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip()
+    if kind != "application/x-www-form-urlencoded":
+        raise _Refused(415, "Send an application/x-www-form-urlencoded form.")
+    body = await request.body()
+    if len(body) > MAX_FORM:
+        raise _Refused(413, "The form is too large.")
+    return dict(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
+
+
+def create_app(store_url: str, *, token: str, allowed_hosts: Iterable[str] = LOOPBACK) -> Starlette:
+    """The page for the journal at ``store_url`` (it must exist); writes need ``token``.
+
+    ``allowed_hosts``: the names the page answers to (``Host`` header); the
+    loopback names by default, ``"*"`` for any.
+    """
+    if not token:
+        raise UsageError("create_app(token=...) needs a non-empty token")
+    pages = Pages(store_url, Guard(token))
+    routes = [
+        Route("/", pages.runs_page),
+        Route("/runs/{run_id:path}", pages.run_page),
+        Route("/login", pages.login_page),
+        Route("/login", pages.login, methods=["POST"]),
+        Route("/logout", pages.logout, methods=["POST"]),
+        Route("/approve", pages.action(pages.approve), methods=["POST"]),
+        Route("/deny", pages.action(pages.deny), methods=["POST"]),
+        Route("/resolve", pages.action(pages.resolve), methods=["POST"]),
+    ]
+    middleware = [Middleware(AllowedHosts, hosts=list(allowed_hosts))]
+    return Starlette(routes=routes, middleware=middleware, lifespan=pages.lifespan)
+
+
+def serve(
+    store_url: str,
+    *,
+    token: str,
+    host: str = "127.0.0.1",
+    port: int = DEFAULT_PORT,
+    allowed_hosts: Iterable[str] = (),
+    token_shown: str | None = None,
+    log_level: str = "warning",
+) -> None:
+    """Run the page until interrupted; print its URL and the token (``port=0``: a free port)."""
+    import uvicorn
+
+    names = [*LOOPBACK, *allowed_hosts]
+    if host not in ("0.0.0.0", "::", ""):
+        names.append(host)
+    app = create_app(store_url, token=token, allowed_hosts=names)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)  # connectable from the moment the URL is printed
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{sock.getsockname()[1]}/"
+    print(f"asiento serve: {url} (journal {fmt.shown_url(store_url)})", file=sys.stderr, flush=True)
+    print(
+        f"token: {token_shown or token} (log in at {url}login to decide)",
+        file=sys.stderr,
+        flush=True,
+    )
+    uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
