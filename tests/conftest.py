@@ -1,13 +1,38 @@
-"""Fixtures shared by every test module."""
+"""Fixtures shared by every test module.
+
+The PostgreSQL fixtures live here so that every test folder shares one server;
+the server itself is ``tests/journal/pg_server.py`` (``tests/`` is on
+``sys.path`` as the rootdir of these conftests, so it is ``journal.pg_server``).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from journal import pg_server
 
 
 @pytest.fixture
 def sqlite_path(tmp_path: Path) -> Path:
     """A path for a fresh SQLite journal file inside the test's own directory."""
     return tmp_path / "runs.db"
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[pg_server.Cluster]:
+    """The session's PostgreSQL server; if none can be had, the tests fail saying why."""
+    try:
+        cluster = pg_server.start()
+    except pg_server.ServerUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def pg_dsn(pg_cluster: pg_server.Cluster) -> str:
+    """The DSN of a new, empty schema on the session's server (its application_name too)."""
+    return pg_cluster.new_dsn()

@@ -713,3 +713,35 @@ def first_lines(proc: subprocess.Popen[str], n: int) -> list[str]:
     except queue.Empty:
         proc.kill()
         pytest.fail(f"{proc.args} printed fewer than {n} lines", pytrace=False)
+
+
+def test_unpark_gives_a_parked_run_back_with_a_fresh_count(tmp_path: Path) -> None:
+    """`asiento unpark` sets a parked run running again and resets its claim count."""
+    import asyncio
+
+    from asiento import RunStatus, SqliteCheckpointer, submit
+    from asiento.lease import Holder
+
+    async def park() -> None:
+        store = SqliteCheckpointer(tmp_path / "runs.db")
+        await submit(store, "r1", "task")
+        for _ in range(2):
+            claim = await store.claim(Holder.here(), ttl=0.01, max_attempts=2)
+            assert claim is not None
+            await asyncio.sleep(0.02)
+        assert await store.claim(Holder.here(), ttl=1, max_attempts=2) is None
+        assert [r.status for r in await store.runs()] == [RunStatus.PARKED]
+
+    asyncio.run(park())
+    out = cli("unpark", "r1", "--by", "ana", "--reason", "fixed the tool", cwd=tmp_path)
+    assert "running again" in out.stdout
+
+    async def check() -> None:
+        store = SqliteCheckpointer(tmp_path / "runs.db")
+        [info] = await store.runs()
+        assert (info.status, info.attempts) == (RunStatus.RUNNING, 0)
+        assert info.reason == "unparked by ana: fixed the tool"
+        assert await store.claim(Holder.here(), ttl=1, max_attempts=2) is not None
+
+    asyncio.run(check())
+    assert_one_line_error(cli("unpark", "r1", "--by", "ana", cwd=tmp_path), "not parked")

@@ -36,7 +36,7 @@ from .events import (
     StepEvent,
     ToolStep,
 )
-from .harness import approve, deny, resolve
+from .harness import approve, deny, resolve, unpark
 from .journal import Checkpointer, MemoryCheckpointer, SqliteCheckpointer
 from .journal.url import open_store
 from .lease import Holder
@@ -124,4 +124,5 @@ __all__ = [
     "resolve",
     "submit",
     "tool",
+    "unpark",
 ]

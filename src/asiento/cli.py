@@ -31,6 +31,7 @@ from .events import RunInfo, RunStatus, StepEvent
 from .harness import approve as approve_step
 from .harness import deny as deny_step
 from .harness import resolve as resolve_step
+from .harness import unpark as unpark_run
 from .journal.base import Checkpointer
 
 T = TypeVar("T")
@@ -289,6 +290,21 @@ def resolve(
     found = "happened" if happened else "did not happen (the next pass runs it once more)"
     click.echo(f"recorded: run {run_id!r} step {step_id!r} {found} (by {by}); the effect:")
     click.echo(fmt.call_lines(waiting))
+
+
+@main.command()
+@click.argument("run_id", metavar="RUN")
+@by_option
+@click.option("--reason", default="", help="What you changed (recorded in the run index).")
+@store_option
+def unpark(run_id: str, by: str, reason: str, store: str) -> None:
+    """Give a parked run back to the workers, with a fresh count of claims."""
+
+    async def job(journal: Checkpointer) -> None:
+        await unpark_run(journal, run_id, by=by, reason=reason)
+
+    with_store(store, job)
+    click.echo(f"run {run_id!r} is running again; the next worker to look will claim it")
 
 
 # -- servers -------------------------------------------------------------------------------

@@ -133,3 +133,15 @@ async def resolve(
     except DuplicateRecord:
         raise UsageError(f"{where} was resolved by someone else first; nothing recorded") from None
     return event
+
+
+async def unpark(store: Checkpointer, run_id: str, *, by: str, reason: str = "") -> None:
+    """Give a parked run back to the workers, with a fresh count of claims."""
+    check_id("run_id", run_id)
+    if not isinstance(by, str) or not by:
+        raise UsageError("say who unparks the run: by='name'")
+    info = next((r for r in await store.runs(status=RunStatus.PARKED) if r.run_id == run_id), None)
+    if info is None:
+        raise UsageError(f"run {run_id!r} is not parked")
+    note = f"unparked by {by}" + (f": {reason}" if reason else "")
+    await store.set_status(run_id, RunStatus.RUNNING, reason=note)

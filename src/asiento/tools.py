@@ -5,6 +5,7 @@ Non-idempotent is the default: a tool must declare itself safe to repeat.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import inspect
 import re
@@ -58,9 +59,15 @@ class Tool:
         }
 
     async def invoke(self, arguments: Mapping[str, Any]) -> Any:
-        """Run the tool once. Sync tools run in the event loop's thread."""
+        """Run the tool once.
+
+        A sync tool runs in a worker thread, so the event loop goes on renewing
+        the run's lease however long the tool takes.
+        """
         kwargs = self.validate(arguments)
-        result = self.fn(**kwargs)
+        if inspect.iscoroutinefunction(self.fn):
+            return await self.fn(**kwargs)
+        result = await asyncio.to_thread(self.fn, **kwargs)
         if inspect.isawaitable(result):
             return await result
         return result

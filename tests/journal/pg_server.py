@@ -59,6 +59,29 @@ class Cluster:
         self.created.append(name)
         return make_conninfo(self.admin_dsn, options=f"-csearch_path={name}", application_name=name)
 
+    def halt(self, mode: str = "fast") -> None:
+        """Stop a server we started, keeping its data: every client loses its connections.
+
+        ``mode`` is pg_ctl's: ``fast`` (a clean shutdown) or ``immediate`` (a crash,
+        recovered at the next start).
+        """
+        self._ours("halt")
+        _pg(self, "pg_ctl", "-D", "data", "-m", mode, "-w", "stop")
+
+    def resume(self) -> None:
+        """Start again, on the same socket and data, a server stopped by ``halt()``."""
+        self._ours("resume")
+        _pg(self, "pg_ctl", "-D", "data", "-l", "server.log", "-w", "-o", _options(self), "start")
+
+    def restart(self, mode: str = "fast") -> None:
+        """``halt()`` then ``resume()``: what a restart or a fail-over looks like to clients."""
+        self.halt(mode)
+        self.resume()
+
+    def _ours(self, what: str) -> None:
+        if self.base is None:
+            raise ServerUnavailable(f"cannot {what} the server {ENV_VAR} names, only ours")
+
     def stop(self) -> None:
         """Stop a server we started (and delete it), or drop our databases on a given one."""
         if self.base is None:
@@ -105,7 +128,7 @@ def _start_local() -> Cluster:
     try:
         _prepare(cluster, _install_dir())
         _pg(cluster, "initdb", "-D", "data", "-U", "postgres", "--auth=trust", "-E", "UTF8")
-        options = f"-k {base} -h '' -p 5432 -c fsync=off -c full_page_writes=off"
+        options = _options(cluster)
         _pg(cluster, "pg_ctl", "-D", "data", "-l", "server.log", "-w", "-o", options, "start")
     except (OSError, subprocess.SubprocessError, ServerUnavailable) as exc:
         log = base / "server.log"
@@ -116,6 +139,11 @@ def _start_local() -> Cluster:
             f"server.\n{detail}"
         ) from exc
     return cluster
+
+
+def _options(cluster: Cluster) -> str:
+    """The server's options: a Unix socket in ``base`` only, and no fsync (tests only)."""
+    return f"-k {cluster.base} -h '' -p 5432 -c fsync=off -c full_page_writes=off"
 
 
 def _prepare(cluster: Cluster, install: Path) -> None:

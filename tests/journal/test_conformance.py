@@ -33,6 +33,7 @@ from asiento import (
     SqliteCheckpointer,
     StepEvent,
     UsageError,
+    approve,
 )
 from asiento.journal.postgres import PostgresCheckpointer
 from asiento.lease import hostname, process_start
@@ -441,3 +442,148 @@ async def test_ledger_counts_paid_model_calls(store: Checkpointer) -> None:
     await store.append(ev("m2", response={"usage": [50, 3]}))
     info = await info_of(store)
     assert (info.model_calls, info.input_tokens, info.output_tokens) == (2, 150, 10)
+
+
+# -- submitted runs: claims and parking ------------------------------------------------------
+
+
+async def test_submit_then_claim_returns_task_agent_and_lease(store: Checkpointer) -> None:
+    """A submitted run is claimed with its task, its agent and a lease (token 1) that writes."""
+    await store.submit("job-1", "bill customer 42", agent="billing")
+    await store.submit("job-2", "plain")
+    claim = await store.claim(holder("w1"), ttl=30)
+    assert claim is not None
+    assert (claim.task, claim.agent, claim.attempts) == ("bill customer 42", "billing", 1)
+    assert (claim.lease.run_id, claim.lease.token, claim.lease.owner) == ("job-1", 1, "w1")
+    info = await info_of(store, "job-1")
+    assert (info.status, info.task, info.agent, info.attempts) == (
+        RunStatus.RUNNING,
+        "bill customer 42",
+        "billing",
+        1,
+    )
+    assert (info.lease_owner, info.fence) == ("w1", 1)
+    await store.append(ev("m1", run_id="job-1"), lease=claim.lease)
+    second = await store.claim(holder("w1"), ttl=30)
+    assert second is not None
+    assert (second.lease.run_id, second.agent) == ("job-2", "default")
+
+
+async def test_live_claim_is_not_claimed_again(store: Checkpointer) -> None:
+    """While a claim's lease is live, another claim (by anyone) finds nothing."""
+    await store.submit("job-1", "t")
+    assert await store.claim(holder("w1"), ttl=30) is not None
+    assert await store.claim(holder("w2"), ttl=30) is None
+    assert await store.claim(holder("w1"), ttl=30) is None
+    assert (await info_of(store, "job-1")).attempts == 1
+
+
+async def test_expired_claim_is_claimed_again_with_one_more_attempt(store: Checkpointer) -> None:
+    """An expired claim is claimed again: attempts + 1, token + 1, and the old lease is fenced."""
+    await store.submit("job-1", "t")
+    first = await store.claim(holder("w1"), ttl=0.05)
+    assert first is not None
+    await asyncio.sleep(0.2)
+    second = await store.claim(holder("w2"), ttl=30)
+    assert second is not None
+    assert (second.attempts, second.lease.token) == (2, first.lease.token + 1)
+    with pytest.raises(LeaseLost):
+        await store.append(ev("m1", run_id="job-1"), lease=first.lease)
+    await store.append(ev("m1", run_id="job-1"), lease=second.lease)
+    assert (await info_of(store, "job-1")).lease_owner == "w2"
+
+
+async def test_claim_skips_runs_nobody_submitted(store: Checkpointer) -> None:
+    """Runs a Session or the harness created (no task) are never claimed by workers."""
+    lease = await store.acquire("solo", holder("s"), ttl=30)
+    await store.append(ev("m1", run_id="solo"), lease=lease)
+    await store.release(lease)
+    await store.append(ev("m1", run_id="harness"))
+    assert await store.claim(holder("w1"), ttl=30) is None
+
+
+async def test_suspended_run_is_claimable_again_once_approved(store: Checkpointer) -> None:
+    """A suspended run is not claimed; after approve() it is, its claims counted anew."""
+    await store.submit("job-1", "t")
+    claim = await store.claim(holder("w1"), ttl=30)
+    assert claim is not None
+    intent = ev("m1.t1", Phase.INTENT, run_id="job-1", decision=Decision.REQUIRE_APPROVAL)
+    await store.append(
+        ev("m1", run_id="job-1"), intent, status=RunStatus.SUSPENDED, lease=claim.lease
+    )
+    await store.release(claim.lease)
+    assert await store.claim(holder("w1"), ttl=30) is None
+    await approve(store, "job-1", "m1.t1", by="ana")
+    again = await store.claim(holder("w2"), ttl=30)
+    assert again is not None
+    assert (again.lease.run_id, again.attempts, again.lease.token) == ("job-1", 1, 2)
+
+
+async def test_run_claimed_max_attempts_times_is_parked(store: Checkpointer) -> None:
+    """Claimed max_attempts times without a stable state: parked with the reason, never claimed."""
+    await store.submit("job-1", "t")
+    for attempt in (1, 2):
+        claim = await store.claim(holder("w1"), ttl=30, max_attempts=2)
+        assert claim is not None
+        assert claim.attempts == attempt
+        await store.set_status("job-1", RunStatus.RUNNING, reason=f"boom {attempt}")
+        await store.release(claim.lease)
+    assert await store.claim(holder("w1"), ttl=30, max_attempts=2) is None
+    info = await info_of(store, "job-1")
+    assert (info.status, info.attempts, info.fence) == (RunStatus.PARKED, 2, 2)
+    assert info.reason == (
+        "parked after 2 claims without reaching a stable state; last failure: boom 2"
+    )
+    assert await store.claim(holder("w1"), ttl=30, max_attempts=10) is None
+    assert [r.run_id for r in await store.runs(status=RunStatus.PARKED)] == ["job-1"]
+
+
+async def test_run_whose_workers_died_is_parked_saying_so(store: Checkpointer) -> None:
+    """Claims that expired without a word park the run with a reason that says so."""
+    await store.submit("job-1", "t")
+    assert await store.claim(holder("w1"), ttl=0.05, max_attempts=1) is not None
+    await asyncio.sleep(0.2)
+    assert await store.claim(holder("w2"), ttl=30, max_attempts=1) is None
+    info = await info_of(store, "job-1")
+    assert info.status is RunStatus.PARKED
+    assert info.reason == (
+        "parked after 1 claims without reaching a stable state (its workers died without a word)"
+    )
+
+
+async def test_claim_that_parks_a_run_claims_the_next(store: Checkpointer) -> None:
+    """A claim that parks an exhausted run goes on to claim the next run needing work."""
+    await store.submit("job-1", "t1")
+    await store.submit("job-2", "t2")
+    first = await store.claim(holder("w1"), ttl=30, max_attempts=1)
+    assert first is not None
+    assert first.lease.run_id == "job-1"
+    await store.release(first.lease)
+    second = await store.claim(holder("w1"), ttl=30, max_attempts=1)
+    assert second is not None
+    assert second.lease.run_id == "job-2"
+    assert (await info_of(store, "job-1")).status is RunStatus.PARKED
+
+
+async def test_submit_of_an_existing_run_id_is_a_usage_error(store: Checkpointer) -> None:
+    """submit() refuses a run id already submitted, or already in the journal; nothing changes."""
+    await store.submit("job-1", "first")
+    with pytest.raises(UsageError, match="job-1"):
+        await store.submit("job-1", "second")
+    await store.append(ev("m1", run_id="solo"))
+    with pytest.raises(UsageError, match="solo"):
+        await store.submit("solo", "late")
+    assert [(r.run_id, r.task) for r in await store.runs()] == [("job-1", "first"), ("solo", None)]
+
+
+async def test_set_status_records_and_keeps_the_reason(store: Checkpointer) -> None:
+    """set_status(reason=...) shows in runs(); a later one without a reason keeps it."""
+    await store.append(ev("m1"))
+    await store.set_status("run-1", RunStatus.UNCERTAIN, reason="the mail server timed out")
+    info = await info_of(store)
+    assert (info.status, info.reason) == (RunStatus.UNCERTAIN, "the mail server timed out")
+    await store.set_status("run-1", RunStatus.RUNNING)
+    assert (await info_of(store)).reason == "the mail server timed out"
+    await store.set_status("run-1", RunStatus.PARKED, reason="a person looks at it")
+    info = await info_of(store)
+    assert (info.status, info.reason) == (RunStatus.PARKED, "a person looks at it")

@@ -159,7 +159,10 @@ WHERE run_id = %s AND fence = %s AND lease_owner = %s
 """
 
 SET_STATUS = f"""
-UPDATE runs SET status = %s, updated_at = {NOW}, reason = coalesce(%s, reason) WHERE run_id = %s
+UPDATE runs SET attempts = CASE WHEN status = 'parked' AND %(status)s = 'running'
+    THEN 0 ELSE attempts END,
+    status = %(status)s, updated_at = {NOW}, reason = coalesce(%(reason)s, reason)
+WHERE run_id = %(run_id)s
 """
 
 SUBMIT = f"""

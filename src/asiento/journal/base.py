@@ -68,7 +68,10 @@ class Checkpointer(Protocol):
     async def set_status(
         self, run_id: str, status: RunStatus, *, reason: str | None = None
     ) -> None:
-        """Mark a known run (uncertain, parked...) without writing a step; note why."""
+        """Mark a known run (uncertain, parked...) without writing a step; note why.
+
+        Setting a parked run back to running starts its claim count anew.
+        """
         ...
 
     async def submit(self, run_id: str, task: str, *, agent: str = "default") -> None:

@@ -147,8 +147,13 @@ class MemoryCheckpointer:
         if run_id not in self._runs:
             raise UsageError(f"unknown run {run_id!r}")
         info = self._runs[run_id]
+        unpark = info.status == RunStatus.PARKED and status == RunStatus.RUNNING
         self._runs[run_id] = dataclasses.replace(
-            info, status=RunStatus(status), updated_at=time.time(), reason=reason or info.reason
+            info,
+            status=RunStatus(status),
+            updated_at=time.time(),
+            reason=reason or info.reason,
+            attempts=0 if unpark else info.attempts,
         )
 
     async def submit(self, run_id: str, task: str, *, agent: str = "default") -> None:

@@ -233,7 +233,8 @@ class PostgresCheckpointer:
         self, run_id: str, status: RunStatus, *, reason: str | None = None
     ) -> None:
         async def mark(conn: Conn) -> None:
-            cur = await conn.execute(sql.SET_STATUS, (RunStatus(status).value, reason, run_id))
+            params = {"status": RunStatus(status).value, "reason": reason, "run_id": run_id}
+            cur = await conn.execute(sql.SET_STATUS, params)
             if cur.rowcount == 0:
                 raise UsageError(f"unknown run {run_id!r} in {self.where}")
 

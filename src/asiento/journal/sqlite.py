@@ -246,9 +246,10 @@ class SqliteCheckpointer:
     ) -> None:
         with self._errors(), self._transaction():
             cur = self._db.execute(
-                "UPDATE runs SET status = ?, updated_at = ?, reason = coalesce(?, reason)"
-                " WHERE run_id = ?",
-                (RunStatus(status).value, time.time(), reason, run_id),
+                "UPDATE runs SET attempts = CASE WHEN status = 'parked' AND ? = 'running'"
+                " THEN 0 ELSE attempts END, status = ?, updated_at = ?,"
+                " reason = coalesce(?, reason) WHERE run_id = ?",
+                (RunStatus(status).value, RunStatus(status).value, time.time(), reason, run_id),
             )
             if cur.rowcount == 0:
                 raise UsageError(f"unknown run {run_id!r} in {self.path}")

@@ -29,9 +29,14 @@ _DURABILITY: dict[str, Durability] = {"full": "full", "process": "process"}
 _SCHEME_LIKE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:")
 
 
+_LIBPQ_KEYWORDS = re.compile(r"^\s*(host|hostaddr|dbname|user|port|service)\s*=")
+
+
 async def open_store(url: str | os.PathLike[str]) -> Checkpointer:
     """The journal ``url`` names, opened: a plain path or ``sqlite://`` / ``postgresql://``."""
     text = os.fspath(url)
+    if _LIBPQ_KEYWORDS.match(text):  # "host=db dbname=runs ...": a libpq connection string
+        return await _postgres(text)
     scheme, sep, rest = text.partition("://")
     if not sep:
         if _SCHEME_LIKE.match(text) or not text:

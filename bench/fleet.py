@@ -1,0 +1,393 @@
+"""Fleet throughput on PostgreSQL: asiento workers against a raw INSERT baseline.
+
+    python bench/fleet.py --quick                  # 300 runs per fleet size (under a minute)
+    python bench/fleet.py                          # 1500 runs per fleet size (under 5 minutes)
+    python bench/fleet.py --dsn postgresql://...   # an existing server (its role needs CREATE)
+
+Without ``--dsn`` a throwaway PostgreSQL is started from the binaries of the
+``pgserver`` package, in a temporary directory, with its default (durable)
+settings, and removed at the end. Everything is measured in one run, on one
+server:
+
+1. For each fleet size W (1, 2, 4, 8), N runs are submitted to a new schema, then
+   W worker processes (``asiento.Worker``, the ``ScriptedGateway``, one no-op
+   non-idempotent tool per run by default: 2 model steps and 1 tool step) are started,
+   connected, and released at the same instant. Each drains runs until none is
+   left. The wall time runs from that instant to the last worker's end. Each
+   worker counts its store's write transactions (claims, appends, releases,
+   renewals, status changes) and times its claims.
+2. The baseline: W processes of plain psycopg doing, between them, the same number
+   of write transactions, each one INSERT of a 250-byte row in autocommit, into a
+   table of the same schema; three times, the median counts.
+
+It prints runs/s, steps/s, write transactions per run, both commit rates, the
+ratio of the fleet's time to the baseline's, and the claim latency (median and
+95th percentile), as a table. Figures, never pass/fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import pwd
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from asiento import (
+    Agent,
+    App,
+    ModelRequest,
+    ModelResponse,
+    ToolCall,
+    Worker,
+    open_store,
+    submit,
+    tool,
+)
+from asiento.testing import ScriptedGateway
+
+HERE = Path(__file__).resolve()
+PAYLOAD = "x" * 250  # about what one journal record of a small step weighs
+WRITES = ("append", "claim", "release", "renew", "set_status")
+WORKER_SECONDS = 240.0  # no fleet of this bench runs longer; a worker stops there
+BASELINE_REPEATS = 3  # the baseline is short and noisy: its median is the figure
+
+
+# -- the worker and baseline processes ------------------------------------------------------
+
+
+def script(tools: int) -> ScriptedGateway:
+    """The model: ``tools`` turns asking for one ``step`` each, then a final answer."""
+
+    def answer(request: ModelRequest) -> ModelResponse:
+        turn = sum(1 for m in request.messages if m.role == "assistant")
+        if turn >= tools:
+            return ModelResponse(text="done")
+        return ModelResponse(tool_calls=[ToolCall(name="step", arguments={"n": turn})])
+
+    return ScriptedGateway(answer)
+
+
+@tool
+def step(n: int) -> str:
+    """A no-op effect: the cost measured is the journal's, not the tool's."""
+    return f"step {n} done"
+
+
+class Counted:
+    """The worker's store, counting its write transactions and timing its claims."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.writes = 0
+        self.claims: list[float] = []
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._store, name)
+        if name not in WRITES:
+            return found
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            result = await found(*args, **kwargs)
+            self.writes += 1
+            if name == "claim" and result is not None:
+                self.claims.append(time.perf_counter() - started)
+            return result
+
+        return counted
+
+
+async def worker_process(url: str, tools: int) -> None:
+    """Connect, say ready, wait for go, drain, print what was done as JSON."""
+    store = Counted(await open_store(url))
+    app = App(agents={"default": Agent(tools=[step])}, gateway=lambda: script(tools))
+    worker = Worker(store, app, poll=0.01)
+    await asyncio.to_thread(ready_then_wait)
+    started = time.monotonic()
+    await worker.run(until_idle=True, max_seconds=WORKER_SECONDS)
+    ended = time.monotonic()
+    await store.close()
+    report = {"start": started, "end": ended, "closed": worker.stats.closed}
+    print(json.dumps(report | {"writes": store.writes, "claims": store.claims}), flush=True)
+
+
+def baseline_process(dsn: str, commits: int) -> None:
+    """``commits`` single-row INSERTs, each its own transaction, like a journal append."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ready_then_wait()
+        started = time.monotonic()
+        for n in range(commits):
+            conn.execute(
+                "INSERT INTO baseline (run_id, step_id, payload) VALUES (%s, %s, %s)",
+                (f"run-{os.getpid()}", f"s{n}", PAYLOAD),
+            )
+        ended = time.monotonic()
+    print(json.dumps({"start": started, "end": ended}), flush=True)
+
+
+def ready_then_wait() -> None:
+    print("ready", flush=True)
+    sys.stdin.readline()
+
+
+# -- the orchestration ---------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    workers: int
+    runs: int
+    steps: int
+    seconds: float
+    writes: int
+    baseline_seconds: float
+    claims: list[float]
+
+    def cells(self) -> list[str]:
+        ms = sorted(c * 1000 for c in self.claims)
+        p95 = ms[min(len(ms) - 1, int(len(ms) * 0.95))] if ms else float("nan")
+        return [
+            str(self.workers),
+            str(self.runs),
+            f"{self.runs / self.seconds:.1f}",
+            f"{self.steps / self.seconds:.1f}",
+            f"{self.writes / self.runs:.2f}",
+            f"{self.writes / self.seconds:.0f}",
+            f"{self.writes / self.baseline_seconds:.0f}",
+            f"{self.seconds / self.baseline_seconds:.2f}",
+            f"{statistics.median(ms):.2f}" if ms else "-",
+            f"{p95:.2f}",
+        ]
+
+
+HEADER = [
+    "workers",
+    "runs",
+    "runs/s",
+    "steps/s",
+    "writes/run",
+    "fleet_commits/s",
+    "raw_commits/s",
+    "time_ratio",
+    "claim_p50_ms",
+    "claim_p95_ms",
+]
+
+
+def spawn(*argv: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(HERE), *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def race(children: Sequence[subprocess.Popen[str]], timeout: float) -> list[dict[str, Any]]:
+    """Wait until every child is ready, release them at once, collect their reports."""
+    for child in children:
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        if line != "ready\n":
+            raise RuntimeError(f"a bench process did not start: {line!r}")
+    for child in children:
+        assert child.stdin is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+    reports = []
+    for child in children:
+        out, _ = child.communicate(timeout=timeout)
+        if child.returncode != 0:
+            raise RuntimeError(f"a bench process failed ({child.returncode})")
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    return reports
+
+
+def wall(reports: list[dict[str, Any]]) -> float:
+    return max(r["end"] for r in reports) - min(r["start"] for r in reports)
+
+
+def new_schema(admin_dsn: str, name: str) -> str:
+    """A fresh schema for one measurement, and a DSN whose tables live in it."""
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE SCHEMA "{name}"')
+        conn.execute(
+            f'CREATE TABLE "{name}".baseline (id bigserial PRIMARY KEY, run_id text NOT NULL,'
+            " step_id text NOT NULL, payload text NOT NULL)"
+        )
+    return make_conninfo(admin_dsn, options=f"-csearch_path={name}")
+
+
+def as_url(dsn: str) -> str:
+    """A libpq DSN as the postgresql:// URL ``open_store`` (and ``asiento worker``) take."""
+    params = conninfo_to_dict(dsn)
+    dbname = quote(str(params.pop("dbname", "") or ""))
+    query = "&".join(f"{key}={quote(str(value))}" for key, value in params.items())
+    return f"postgresql:///{dbname}?{query}"
+
+
+async def submit_all(dsn: str, runs: int) -> None:
+    store = await open_store(as_url(dsn))
+    try:
+        for n in range(runs):
+            await submit(store, f"run-{n:05d}", f"task {n}")
+    finally:
+        await store.close()
+
+
+def measure(admin_dsn: str, workers: int, runs: int, tools: int) -> Row:
+    """One fleet size in a schema of its own, dropped afterwards."""
+    name = f"asiento_bench_w{workers}_{uuid.uuid4().hex[:8]}"
+    dsn = new_schema(admin_dsn, name)
+    try:
+        return measure_in(dsn, workers, runs, tools)
+    finally:
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP SCHEMA "{name}" CASCADE')
+
+
+def measure_in(dsn: str, workers: int, runs: int, tools: int) -> Row:
+    """The fleet draining ``runs`` runs, then the same number of commits, raw."""
+    asyncio.run(submit_all(dsn, runs))
+    reports = race(
+        [spawn("--role", "worker", as_url(dsn), str(tools)) for _ in range(workers)], 600
+    )
+    closed = sum(r["closed"] for r in reports)
+    if closed != runs:
+        raise RuntimeError(f"{workers} workers closed {closed} of {runs} runs")
+    writes = sum(r["writes"] for r in reports)
+    shares = [writes // workers + (1 if n < writes % workers else 0) for n in range(workers)]
+    baselines = [
+        wall(race([spawn("--role", "baseline", dsn, str(share)) for share in shares], 600))
+        for _ in range(BASELINE_REPEATS)
+    ]
+    claims = [c for r in reports for c in r["claims"]]
+    steps = runs * (2 * tools + 1)
+    return Row(workers, runs, steps, wall(reports), writes, statistics.median(baselines), claims)
+
+
+def print_table(rows: list[Row]) -> None:
+    table = [HEADER, *(row.cells() for row in rows)]
+    widths = [max(len(line[i]) for line in table) for i in range(len(HEADER))]
+    for line in table:
+        print("  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)))
+
+
+# -- a throwaway server ------------------------------------------------------------------------
+
+
+@contextmanager
+def local_server() -> Iterator[str]:
+    """A PostgreSQL from pgserver's binaries in a temporary directory; its admin DSN."""
+    spec = importlib.util.find_spec("pgserver")
+    if spec is None or spec.origin is None:
+        raise SystemExit("no PostgreSQL: pip install pgserver, or pass --dsn")
+    base = Path(tempfile.mkdtemp(prefix="asiento-bench-pg-"))
+    binaries = _binaries(Path(spec.origin).parent / "pginstall", base)
+    try:
+        _pg(base, binaries, "initdb", "-D", "data", "-U", "postgres", "--auth=trust", "-E", "UTF8")
+        options = f"-k {base} -h '' -p 5432 -c max_connections=200"
+        _pg(
+            base, binaries, "pg_ctl", "-D", "data", "-l", "server.log", "-w", "-o", options, "start"
+        )
+        yield f"host={base} port=5432 user=postgres dbname=postgres"
+    finally:
+        _pg(base, binaries, "pg_ctl", "-D", "data", "-m", "immediate", "-w", "stop", check=False)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _binaries(install: Path, base: Path) -> Path:
+    """As root, PostgreSQL must run as another user: copies of the binaries, run by nobody."""
+    if os.geteuid() != 0:
+        return install / "bin"
+    site, copy = install.parent.parent, base / "pkg"
+    for part in ("pgserver/pginstall/bin", "pgserver/pginstall/lib", "pgserver/pginstall/share"):
+        shutil.copytree(site / part, copy / part)
+    shutil.copytree(site / "pgserver.libs", copy / "pgserver.libs")
+    nobody = pwd.getpwnam("nobody")
+    os.chown(base, nobody.pw_uid, nobody.pw_gid)
+    return copy / "pgserver/pginstall/bin"
+
+
+def _pg(base: Path, binaries: Path, program: str, *args: str, check: bool = True) -> None:
+    user: dict[str, Any] = {}
+    if os.geteuid() == 0:
+        nobody = pwd.getpwnam("nobody")
+        user = {"user": nobody.pw_uid, "group": nobody.pw_gid}
+    with tempfile.TemporaryFile("w+") as out:  # a pipe can hang pg_ctl
+        done = subprocess.run(
+            [str(binaries / program), *args],
+            cwd=base,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=120,
+            env={**os.environ, "LC_ALL": "C", "HOME": str(base)},
+            check=False,
+            **user,
+        )
+        out.seek(0)
+        if check and done.returncode != 0:
+            raise SystemExit(f"{program} failed:\n{out.read()}")
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="300 runs per fleet size")
+    parser.add_argument("--dsn", help="an existing server's DSN (else one is started)")
+    parser.add_argument("--runs", type=int, help="runs per fleet size (300 quick, 1500 default)")
+    parser.add_argument("--tools", type=int, default=1, help="tool steps per run (1)")
+    parser.add_argument("--workers", default="1,2,4,8", help="fleet sizes, comma-separated")
+    parser.add_argument("--role", choices=["worker", "baseline"], help=argparse.SUPPRESS)
+    parser.add_argument("role_args", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role == "worker":
+        asyncio.run(worker_process(args.role_args[0], int(args.role_args[1])))
+        return
+    if args.role == "baseline":
+        baseline_process(args.role_args[0], int(args.role_args[1]))
+        return
+    runs = args.runs or (300 if args.quick else 1500)
+    sizes = [int(w) for w in args.workers.split(",")]
+    started = time.monotonic()
+    with server(args.dsn) as admin_dsn:
+        rows = [measure(admin_dsn, w, runs, args.tools) for w in sizes]
+    cores = os.cpu_count()
+    steps = 2 * args.tools + 1
+    print(f"\nfleet on PostgreSQL: {runs} runs per fleet size, {steps} steps a run, {cores} cores")
+    print_table(rows)
+    print(
+        "\ntime_ratio: the fleet's wall time over the raw baseline's (the same number of write"
+        "\ntransactions, one INSERT each, by as many processes). Workers and the server share"
+        f"\nthe machine's cores. Total {time.monotonic() - started:.0f}s."
+    )
+
+
+@contextmanager
+def server(dsn: str | None) -> Iterator[str]:
+    if dsn:
+        yield dsn
+        return
+    with local_server() as started:
+        yield started
+
+
+if __name__ == "__main__":
+    main()
