@@ -57,8 +57,8 @@ def is_dead_here(host: str | None, pid: int | None, started: str | None) -> bool
     """True only when the holder is provably gone: same host, and its process is not there."""
     if host != hostname() or pid is None:
         return False
-    if pid == os.getpid():
-        return False
+    if pid == os.getpid():  # our own pid: dead only if it was another process's before
+        return bool(started) and started != process_start(pid)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

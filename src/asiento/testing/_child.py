@@ -1,0 +1,350 @@
+"""The crash harness's child: drive one operation on a run, in a process that may die.
+
+    python -m asiento.testing._child serve CONFIG_JSON               # fork-server
+    python -m asiento.testing._child once CONFIG_JSON COMMAND_JSON   # one operation
+
+``serve`` imports the user's app once, then reads one JSON command per line
+on stdin and forks a real process for each, replying with one JSON line (pid,
+exit code, outcome). A command's ``kill_after`` (seconds) makes the server
+SIGKILL the forked child after that delay; ``crash`` (``name@N``) makes the
+child SIGKILL itself at that crash-point passage. ``once`` runs one command in
+this very interpreter (the fsync audit runs it under strace).
+
+Operations: ``run`` (one pass of the agent: until it closes, suspends, stops
+uncertain or fails), ``approve`` and ``resolve`` (what a person does between
+passes). Every outcome carries the crash-point passages the child went
+through, so a dry run tells the harness which passages exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from .. import harness as people
+from ..agent import Agent
+from ..errors import LeaseLost, RunLocked, UncertainEffect, UsageError
+from ..events import ApprovalStep, FinalStep, Step
+from ..session import Session
+from ._files import ledger_paths
+from ._instrument import LedgerGateway, instrument
+from ._observe import Observer, install
+from ._plants import plant
+from ._stores import is_postgres, open_checkpointer, pg_dsn
+
+Command = dict[str, Any]
+Outcome = dict[str, Any]
+MAX_COMMANDS = 1_000_000
+PERSON = "crash-harness"
+
+
+@dataclass(frozen=True, slots=True)
+class ChildConfig:
+    """What every child of one harness worker shares."""
+
+    app: str
+    task: str
+    store: str
+    workdir: str
+    plants: tuple[str, ...] = ()
+    lease_ttl: float = 30.0
+    application_name: str = "asiento-harness"
+    warm_up: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ChildConfig:
+        return cls(**{**data, "plants": tuple(data.get("plants", ()))})
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "app": self.app,
+            "task": self.task,
+            "store": self.store,
+            "workdir": self.workdir,
+            "plants": list(self.plants),
+            "lease_ttl": self.lease_ttl,
+            "application_name": self.application_name,
+            "warm_up": self.warm_up,
+        }
+
+
+def load_factory(spec: str) -> Callable[[], Any]:
+    """``module:attribute`` (dots allowed in both) to the callable it names."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise UsageError(f"app must be 'module:factory', got {spec!r}")
+    target: Any = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        target = getattr(target, part)
+    if not callable(target):
+        raise UsageError(f"{spec} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+class Child:
+    """The app, loaded once; ``execute`` runs one command in this process."""
+
+    def __init__(self, config: ChildConfig) -> None:
+        self.config = config
+        self.postgres = is_postgres(config.store)
+        self.factory = load_factory(config.app)
+        for name in config.plants:
+            plant(name, postgres=self.postgres)
+        self.observer = Observer()
+        self.hook_errors: list[str] = []
+
+    def warm_up(self) -> None:
+        """Import what a pass needs, so that forked children start at once."""
+        import asiento.journal.sqlite
+
+        if self.postgres:
+            import psycopg  # noqa: F401
+            import psycopg_pool  # noqa: F401
+
+            import asiento.journal.postgres  # noqa: F401
+        self.build("warm-up", {})
+        asyncio.run(asyncio.sleep(0))
+        if self.config.warm_up:
+            load_factory(self.config.warm_up)()
+        install(self.observer)
+
+    def build(self, run_id: str, cmd: Command) -> tuple[Agent, LedgerGateway]:
+        """The user's agent and gateway, instrumented for this run."""
+        made = self.factory()
+        if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], Agent)):
+            raise UsageError(f"{self.config.app} must return (Agent, gateway), got {made!r}")
+        effects, models = ledger_paths(self.config.workdir, run_id)
+        gateway = LedgerGateway(
+            made[1],
+            models,
+            run_id,
+            pause_at=cmd.get("pause_model"),
+            pause_file=cmd.get("pause_file"),
+        )
+        return instrument(made[0], effects), gateway
+
+    def execute(self, cmd: Command) -> tuple[int, Outcome]:
+        """Run ``cmd``; the exit code is 0 for any outcome but an unexpected error."""
+        self.observer.reset(cmd.get("crash"))
+        self.hook_errors = []
+        if cmd.get("pg_cut") is not None:
+            cut = cmd["pg_cut"]
+            self.observer.hooks[("inside_commit", int(cut["at"]))] = self._cutter(cut.get("delay"))
+        try:
+            out: Outcome = asyncio.run(OPS[cmd["op"]](self, cmd))
+        except Exception as exc:
+            traceback.print_exc()
+            out = {"outcome": "error", "type": type(exc).__name__, "message": str(exc)[:400]}
+        out |= {"passages": dict(self.observer.passages), "pid": os.getpid()}
+        if self.hook_errors:
+            out["hook_errors"] = self.hook_errors
+        return (1 if out["outcome"] == "error" else 0), out
+
+    def _cutter(self, delay: float | None) -> Callable[[], None]:
+        """Terminate this child's own database connections, now or ``delay`` s later."""
+
+        def cut() -> None:
+            try:
+                terminate_backends(self.config.store, self.config.application_name)
+            except Exception as exc:
+                self.hook_errors.append(f"{type(exc).__name__}: {exc}")
+
+        if delay is None:
+            return cut
+
+        def later() -> None:
+            def wait_then_cut() -> None:
+                time.sleep(delay)
+                cut()
+
+            threading.Thread(target=wait_then_cut, daemon=True).start()
+
+        return later
+
+
+def terminate_backends(store: str, application_name: str) -> int:
+    """``pg_terminate_backend`` every connection named ``application_name``; how many."""
+    import psycopg
+
+    dsn = pg_dsn(store, application_name + "-cutter")
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+        rows = conn.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE application_name = %s AND pid <> pg_backend_pid()",
+            (application_name,),
+        ).fetchall()
+    return len(rows)
+
+
+# -- the operations ------------------------------------------------------------------
+
+
+async def run_pass(child: Child, cmd: Command) -> Outcome:
+    """One pass of the agent over the run."""
+    run_id = cmd["run"]
+    agent, gateway = child.build(run_id, cmd)
+    store = await open_checkpointer(child.config.store, child.config.application_name)
+    ttl = float(cmd.get("lease_ttl") or child.config.lease_ttl)
+    session = Session(run_id, gateway, store, lease_ttl=ttl, wait=float(cmd.get("wait", 0.0)))
+    task = child.config.task.replace("{run_id}", run_id)
+    last: Step | None = None
+    try:
+        async for step in agent.run(task, session=session):
+            last = step
+    except UncertainEffect as exc:
+        return {"outcome": "uncertain", "step": exc.step_id, "tool": exc.tool}
+    except LeaseLost as exc:
+        return {"outcome": "lease_lost", "message": str(exc)[:400]}
+    except RunLocked as exc:
+        return {"outcome": "locked", "message": str(exc)[:400]}
+    finally:
+        await store.close()
+    if isinstance(last, FinalStep):
+        return {"outcome": "closed", "replayed": last.replayed}
+    if isinstance(last, ApprovalStep):
+        return {"outcome": "suspended", "step": last.step_id, "fingerprint": last.fingerprint}
+    raise RuntimeError(f"the pass ended on {last!r}")
+
+
+async def approve(child: Child, cmd: Command) -> Outcome:
+    """What a person does with a suspended run: approve exactly what was shown."""
+    store = await open_checkpointer(child.config.store, child.config.application_name)
+    try:
+        await people.approve(
+            store, cmd["run"], cmd["step"], by=PERSON, fingerprint=cmd.get("fingerprint")
+        )
+    finally:
+        await store.close()
+    return {"outcome": "approved", "step": cmd["step"]}
+
+
+async def resolve(child: Child, cmd: Command) -> Outcome:
+    """What a person does after looking at the destination of an uncertain effect."""
+    store = await open_checkpointer(child.config.store, child.config.application_name)
+    try:
+        await people.resolve(store, cmd["run"], cmd["step"], happened=cmd["happened"], by=PERSON)
+    finally:
+        await store.close()
+    return {"outcome": "resolved", "step": cmd["step"], "happened": cmd["happened"]}
+
+
+async def describe(child: Child, cmd: Command) -> Outcome:
+    """What the oracle must know of the app's tools: idempotent, effect, how reconciled."""
+    agent, _ = child.build("describe", cmd)
+    tools = {
+        t.name: {
+            "idempotent": t.idempotent,
+            "effect": t.effect is not None,
+            "honours_keys": bool(t.effect and t.effect.honours_keys),
+            "key_ttl": t.effect.key_ttl if t.effect else None,
+            "has_lookup": bool(t.effect and t.effect.has_lookup),
+        }
+        for t in agent.tools.values()
+    }
+    return {"outcome": "described", "tools": tools}
+
+
+OPS: dict[str, Callable[[Child, Command], Coroutine[Any, Any, Outcome]]] = {
+    "run": run_pass,
+    "approve": approve,
+    "resolve": resolve,
+    "describe": describe,
+}
+
+
+# -- fork-server -----------------------------------------------------------------------
+
+
+def serve(child: Child) -> int:
+    """Answer one JSON line per command, forking a child for each."""
+    protocol = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # what the app prints must not corrupt the protocol
+    child.warm_up()
+    protocol.write(json.dumps({"ready": os.getpid()}) + "\n")
+    protocol.flush()
+    for _ in range(MAX_COMMANDS):
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        protocol.write(json.dumps(fork_one(child, json.loads(line))) + "\n")
+        protocol.flush()
+    return 0
+
+
+def fork_one(child: Child, cmd: Command) -> dict[str, Any]:
+    """Run ``cmd`` in a forked process; SIGKILL it after ``kill_after`` if asked; reap it."""
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        _forked(child, cmd, write_end)
+    os.close(write_end)
+    timer_killed = _wait_or_kill(pid, cmd.get("kill_after"))
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read_end, "rb") as pipe:
+        text = pipe.read().decode()
+    return {
+        "pid": pid,
+        "rc": os.waitstatus_to_exitcode(status),
+        "out": json.loads(text) if text else None,
+        "timer_killed": timer_killed,
+        "seconds": time.monotonic() - started,
+    }
+
+
+def _wait_or_kill(pid: int, kill_after: float | None) -> bool:
+    """Wait up to ``kill_after`` s for the child to exit; SIGKILL it if it has not."""
+    if kill_after is None:
+        return False
+    fd = os.pidfd_open(pid)
+    try:
+        exited, _, _ = select.select([fd], [], [], kill_after)
+    finally:
+        os.close(fd)
+    if exited:
+        return False
+    os.kill(pid, signal.SIGKILL)  # not reaped yet: the pid is still this child's
+    return True
+
+
+def _forked(child: Child, cmd: Command, fd: int) -> None:
+    code = 1
+    try:
+        code, out = child.execute(cmd)
+        os.write(fd, json.dumps(out).encode())
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] not in ("serve", "once"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    child = Child(ChildConfig.from_json(json.loads(argv[1])))
+    if argv[0] == "serve":
+        return serve(child)
+    install(child.observer)
+    code, out = child.execute(json.loads(argv[2]))
+    print(json.dumps(out), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

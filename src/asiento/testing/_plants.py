@@ -1,0 +1,73 @@
+"""Deliberate bugs for the negative controls, planted in the harness's child only.
+
+A campaign that cannot fail proves nothing. Each plant breaks one promise the
+way a plausible regression would, by monkeypatching the child process at
+start-up (never the library a user imports):
+
+- ``no_write_ahead``: the loop never writes a tool's ``submitted`` record, so
+  nothing on disk says an effect may have started before it starts.
+- ``no_fencing``: the journal's ``append`` ignores the lease it is given, so a
+  holder whose lease was taken over still writes.
+- ``no_dir_fsync``: ``write_atomic`` renames without fsyncing the directory,
+  so the rename itself would not survive a power cut.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+PLANTS = ("no_write_ahead", "no_fencing", "no_dir_fsync")
+
+
+def plant(name: str, *, postgres: bool = False) -> None:
+    """Apply one planted bug to this process."""
+    if name not in PLANTS:
+        raise ValueError(f"unknown plant {name!r}; known: {', '.join(PLANTS)}")
+    {"no_write_ahead": _no_write_ahead, "no_fencing": _no_fencing, "no_dir_fsync": _no_dir_fsync}[
+        name
+    ](postgres)
+
+
+def _no_write_ahead(postgres: bool) -> None:
+    from .. import agent
+    from ..events import Phase
+
+    original: Callable[..., Any] = agent._Pass._record
+
+    @functools.wraps(original)
+    def record(self: Any, step_id: str, phase: Phase, payload: Any, decision: Any = None) -> Any:
+        event = original(self, step_id, phase, payload, decision)
+        if phase is Phase.SUBMITTED:
+            self.pending.remove(event)  # the bug: the effect starts with no write-ahead
+        return event
+
+    agent._Pass._record = record  # type: ignore[method-assign]
+
+
+def _no_fencing(postgres: bool) -> None:
+    from ..journal.sqlite import SqliteCheckpointer
+
+    classes: list[type[Any]] = [SqliteCheckpointer]
+    if postgres:
+        from ..journal.postgres import PostgresCheckpointer
+
+        classes.append(PostgresCheckpointer)
+    for cls in classes:
+        original = cls.append
+
+        async def append(self: Any, *events: Any, _original: Any = original, **kw: Any) -> None:
+            kw["lease"] = None  # the bug: the fencing token is never checked
+            await _original(self, *events, **kw)
+
+        cls.append = append
+
+
+def _no_dir_fsync(postgres: bool) -> None:
+    from ..effects import files
+
+    def skip(directory: Any) -> None:
+        """The bug: the rename is left in the page cache."""
+
+    files._fsync_directory = skip
