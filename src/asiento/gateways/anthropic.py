@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .._canonical import key_header
 from ..errors import UsageError
 from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema
+from ._client import OwnedClient
 from ._errors import (
     answered,
     arguments,
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 _UNSAFE_ID = re.compile(r"[^a-zA-Z0-9_-]")
 
 
-class AnthropicGateway:
+class AnthropicGateway(OwnedClient):
     """Reach Claude through the Messages API.
 
     Instructions go in ``system``; the tool results of one turn travel together
@@ -98,19 +98,6 @@ class AnthropicGateway:
         if request.tools:
             params["tools"] = anthropic_tools(request.tools)
         return params | self.options
-
-    async def aclose(self) -> None:
-        """Close the SDK client if this gateway made it."""
-        if self._owned:
-            await self.client.close()
-
-    async def __aenter__(self) -> AnthropicGateway:
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         return f"AnthropicGateway({self.model!r}, base_url={self.client.base_url!s})"

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._canonical import key_header
 from ..errors import UsageError
 from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema
+from ._client import OwnedClient
 from ._errors import (
     answered,
     arguments,
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 Api = Literal["chat", "responses"]
 
 
-class OpenAIGateway:
+class OpenAIGateway(OwnedClient):
     """Reach a model through the OpenAI API, or any server that speaks it (``base_url``).
 
     ``api="chat"`` uses Chat Completions (what OpenAI-compatible servers such as
@@ -112,19 +112,6 @@ class OpenAIGateway:
         if request.tools:
             params["tools"] = responses_tools(request.tools)
         return params | self.options
-
-    async def aclose(self) -> None:
-        """Close the SDK client if this gateway made it."""
-        if self._owned:
-            await self.client.close()
-
-    async def __aenter__(self) -> OpenAIGateway:
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         return f"OpenAIGateway({self.model!r}, api={self.api!r}, base_url={self.client.base_url!s})"
