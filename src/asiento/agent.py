@@ -8,6 +8,7 @@ tool runs, and the tool result before the next model call depends on it.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -19,7 +20,7 @@ from ._canonical import FingerprintChain, canonical_json, fingerprint, idem_key
 from ._crash import crash_point
 from .context import StepContext
 from .effects.base import Effect, EffectRejected, Published, Reconcile, reconcile
-from .errors import MaxTurnsExceeded, ReplayDivergence, UncertainEffect, UsageError
+from .errors import AsientoError, MaxTurnsExceeded, ReplayDivergence, UncertainEffect, UsageError
 from .events import (
     FINAL_STEP_ID,
     ApprovalStep,
@@ -40,6 +41,8 @@ from .policy import Policy, allow_all, ask_policy
 from .replay import Action, Records, StepState, decide, step_state
 from .session import Session
 from .tools import Tool, ToolArgumentsError
+
+log = logging.getLogger("asiento")
 
 
 class Agent:
@@ -118,8 +121,24 @@ class _Pass:
             return
         async with self.session.driving() as lease:
             self.lease = lease
-            async for step in self._walk():
-                yield step
+            try:
+                async for step in self._walk():
+                    yield step
+            finally:
+                await self._keep_what_happened()
+
+    async def _keep_what_happened(self) -> None:
+        """Closed early (the caller stopped iterating, or an error): record what already ran.
+
+        A tool that ran has its result waiting for the next commit; losing it would
+        turn a known outcome into an uncertain one.
+        """
+        if not self.pending:
+            return
+        try:
+            await self._flush()
+        except AsientoError as exc:
+            log.warning("run %r: could not record the last outcomes: %s", self.run_id, exc)
 
     def _closed(self, final: StepEvent) -> FinalStep:
         """A closed run answers with its recorded final step, and nothing else happens."""
@@ -516,6 +535,7 @@ def _ok(value: Any) -> dict[str, Any]:
         _refuse_sets(value)
         jsonable = to_jsonable_python(value)
         size = len(canonical_json(jsonable))
+        json.dumps(jsonable, ensure_ascii=False).encode()  # lone surrogates cannot be sent
         if size > MAX_RECORD_BYTES - 1024:
             raise ValueError(f"{size:,} bytes, over the journal's limit of {MAX_RECORD_BYTES:,}")
     except Exception as exc:

@@ -53,12 +53,32 @@ def process_start(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def is_dead_here(host: str | None, pid: int | None, started: str | None) -> bool:
-    """True only when the holder is provably gone: same host, and its process is not there."""
+# Owners whose session in this process has ended; bounded, oldest forgotten first.
+_ended_here: dict[str, None] = {}
+_ENDED_KEPT = 10_000
+
+
+def ended(owner: str) -> None:
+    """The session of this process that held ``owner``'s lease has ended (released or not)."""
+    _ended_here[owner] = None
+    while len(_ended_here) > _ENDED_KEPT:
+        del _ended_here[next(iter(_ended_here))]
+
+
+def is_dead_here(
+    host: str | None, pid: int | None, started: str | None, owner: str | None = None
+) -> bool:
+    """True only when the holder is provably gone: same host, and its process is not there.
+
+    In this very process, a holder is gone when its session ended, even if the
+    release could not be written (the journal was busy, say).
+    """
     if host != hostname() or pid is None:
         return False
-    if pid == os.getpid():  # our own pid: dead only if it was another process's before
-        return bool(started) and started != process_start(pid)
+    if pid == os.getpid():  # our own pid: another process's before, or an ended session
+        if started and started != process_start(pid):
+            return True
+        return owner is not None and owner in _ended_here
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from . import lease as lease_state
 from .errors import AsientoError, LeaseLost, RunLocked, UsageError
 from .events import Lease, Savings
 from .journal.base import Checkpointer, check_id
@@ -110,6 +111,7 @@ class Session:
             keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
+            lease_state.ended(lease.owner)
             await self._release(lease, before, clean=clean)
 
     async def _acquire(self) -> Lease:

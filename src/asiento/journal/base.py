@@ -116,7 +116,7 @@ def may_take(
     """Whether ``holder`` may take a lease currently recorded as the given one."""
     if owner is None or owner == holder.owner or expires is None or expires < now:
         return True
-    return is_dead_here(host, pid, started)
+    return is_dead_here(host, pid, started, owner)
 
 
 def run_locked(
