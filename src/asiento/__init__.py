@@ -36,7 +36,7 @@ from .events import (
     StepEvent,
     ToolStep,
 )
-from .harness import approve, deny, resolve, unpark
+from .harness import abandon, approve, deny, resolve, unpark
 from .journal import Checkpointer, MemoryCheckpointer, SqliteCheckpointer
 from .journal.url import open_store
 from .lease import Holder
@@ -113,6 +113,7 @@ __all__ = [
     "UsageError",
     "Worker",
     "__version__",
+    "abandon",
     "allow_all",
     "approve",
     "current_step",

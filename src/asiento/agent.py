@@ -144,7 +144,11 @@ class _Pass:
         """A closed run answers with its recorded final step, and nothing else happens."""
         payload = final.payload
         return FinalStep(
-            run_id=self.run_id, step_id=payload["step"], text=payload["text"], replayed=True
+            run_id=self.run_id,
+            step_id=payload["step"],
+            text=payload["text"],
+            replayed=True,
+            abandoned=bool(payload.get("abandoned")),
         )
 
     async def _walk(self) -> AsyncIterator[Step]:

@@ -28,6 +28,7 @@ from . import _cli_format as fmt
 from . import shutdown
 from .errors import AsientoError, UsageError
 from .events import RunInfo, RunStatus, StepEvent
+from .harness import abandon as abandon_run
 from .harness import approve as approve_step
 from .harness import deny as deny_step
 from .harness import resolve as resolve_step
@@ -290,6 +291,21 @@ def resolve(
     found = "happened" if happened else "did not happen (the next pass runs it once more)"
     click.echo(f"recorded: run {run_id!r} step {step_id!r} {found} (by {by}); the effect:")
     click.echo(fmt.call_lines(waiting))
+
+
+@main.command()
+@click.argument("run_id", metavar="RUN")
+@by_option
+@click.option("--reason", required=True, help="Why the run will not go on.")
+@store_option
+def abandon(run_id: str, by: str, reason: str, store: str) -> None:
+    """Close a run that will not go on; resuming it then does nothing."""
+
+    async def job(journal: Checkpointer) -> None:
+        await abandon_run(journal, run_id, by=by, reason=reason)
+
+    with_store(store, job)
+    click.echo(f"run {run_id!r} is closed: abandoned by {by}: {reason}")
 
 
 @main.command()

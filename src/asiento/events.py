@@ -158,15 +158,17 @@ class ApprovalStep:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FinalStep:
-    """The model answered without tool calls; the run is closed.
+    """The model answered without tool calls (or a person abandoned the run); it is closed.
 
-    ``replayed`` is true when the run was already closed and nothing was called.
+    ``replayed`` is true when the run was already closed and nothing was called;
+    ``abandoned`` when a person closed it without an answer (``text`` says why).
     """
 
     run_id: str
     step_id: str
     text: str
     replayed: bool = False
+    abandoned: bool = False
 
 
 Step = ModelStep | ToolStep | ApprovalStep | FinalStep

@@ -10,7 +10,7 @@ from typing import Any
 
 from ._crash import crash_point
 from .errors import ApprovalError, DuplicateRecord, UsageError
-from .events import Decision, Phase, RunStatus, StepEvent
+from .events import FINAL_STEP_ID, Decision, Phase, RunStatus, StepEvent
 from .journal.base import Checkpointer, check_id
 from .replay import step_state
 
@@ -145,3 +145,25 @@ async def unpark(store: Checkpointer, run_id: str, *, by: str, reason: str = "")
         raise UsageError(f"run {run_id!r} is not parked")
     note = f"unparked by {by}" + (f": {reason}" if reason else "")
     await store.set_status(run_id, RunStatus.RUNNING, reason=note)
+
+
+async def abandon(store: Checkpointer, run_id: str, *, by: str, reason: str) -> StepEvent:
+    """Close a run that will not go on (an uncertain effect nobody can settle, say).
+
+    The run's final record says who abandoned it and why; resuming it then makes
+    no call and yields that ``FinalStep(abandoned=True)``.
+    """
+    check_id("run_id", run_id)
+    if not isinstance(by, str) or not by or not isinstance(reason, str) or not reason:
+        raise UsageError("say who abandons the run and why: by='name', reason='...'")
+    if not [r for r in await store.runs() if r.run_id == run_id]:
+        raise UsageError(f"unknown run {run_id!r}")
+    text = f"abandoned by {by}: {reason}"
+    payload = {"step": "abandoned", "text": text, "abandoned": True, "by": by, "reason": reason}
+    event = StepEvent(run_id=run_id, step_id=FINAL_STEP_ID, phase=Phase.RESULT, payload=payload)
+    try:
+        await store.append(event, status=RunStatus.CLOSED)
+    except DuplicateRecord:
+        raise UsageError(f"run {run_id!r} is closed already; nothing recorded") from None
+    await store.set_status(run_id, RunStatus.CLOSED, reason=text)
+    return event
