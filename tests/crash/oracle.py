@@ -42,7 +42,10 @@ Runner = Callable[[dict[str, Any]], tuple[int, dict[str, Any] | None]]
 
 
 def _connect(db: Path) -> sqlite3.Connection:
-    return sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+    """A reader that may recover the WAL index a killed writer left (mode=ro may not)."""
+    con = sqlite3.connect(db, timeout=30)
+    con.execute("PRAGMA query_only = 1")
+    return con
 
 
 def _rows(db: Path, sql: str, *args: str) -> list[tuple[Any, ...]]:

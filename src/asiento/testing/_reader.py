@@ -62,7 +62,8 @@ class SqliteReader:
         if not self.path.exists():
             yield None
             return
-        con = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=30)
+        con = sqlite3.connect(self.path, timeout=30)  # may recover a killed writer's WAL index
+        con.execute("PRAGMA query_only = 1")
         try:
             tables = con.execute("SELECT count(*) FROM sqlite_master WHERE name = 'runs'")
             yield con if tables.fetchone()[0] else None  # killed before the schema's commit
