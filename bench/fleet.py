@@ -29,15 +29,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
-import pwd
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -47,6 +43,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+import pg_cluster
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -294,55 +291,14 @@ def print_table(rows: list[Row]) -> None:
 @contextmanager
 def local_server() -> Iterator[str]:
     """A PostgreSQL from pgserver's binaries in a temporary directory; its admin DSN."""
-    spec = importlib.util.find_spec("pgserver")
-    if spec is None or spec.origin is None:
-        raise SystemExit("no PostgreSQL: pip install pgserver, or pass --dsn")
-    base = Path(tempfile.mkdtemp(prefix="asiento-bench-pg-"))
-    binaries = _binaries(Path(spec.origin).parent / "pginstall", base)
     try:
-        _pg(base, binaries, "initdb", "-D", "data", "-U", "postgres", "--auth=trust", "-E", "UTF8")
-        options = f"-k {base} -h '' -p 5432 -c max_connections=200"
-        _pg(
-            base, binaries, "pg_ctl", "-D", "data", "-l", "server.log", "-w", "-o", options, "start"
-        )
-        yield f"host={base} port=5432 user=postgres dbname=postgres"
+        cluster = pg_cluster.start(max_connections=200)
+    except pg_cluster.Unavailable as exc:
+        raise SystemExit(str(exc)) from exc
+    try:
+        yield cluster.dsn
     finally:
-        _pg(base, binaries, "pg_ctl", "-D", "data", "-m", "immediate", "-w", "stop", check=False)
-        shutil.rmtree(base, ignore_errors=True)
-
-
-def _binaries(install: Path, base: Path) -> Path:
-    """As root, PostgreSQL must run as another user: copies of the binaries, run by nobody."""
-    if os.geteuid() != 0:
-        return install / "bin"
-    site, copy = install.parent.parent, base / "pkg"
-    for part in ("pgserver/pginstall/bin", "pgserver/pginstall/lib", "pgserver/pginstall/share"):
-        shutil.copytree(site / part, copy / part)
-    shutil.copytree(site / "pgserver.libs", copy / "pgserver.libs")
-    nobody = pwd.getpwnam("nobody")
-    os.chown(base, nobody.pw_uid, nobody.pw_gid)
-    return copy / "pgserver/pginstall/bin"
-
-
-def _pg(base: Path, binaries: Path, program: str, *args: str, check: bool = True) -> None:
-    user: dict[str, Any] = {}
-    if os.geteuid() == 0:
-        nobody = pwd.getpwnam("nobody")
-        user = {"user": nobody.pw_uid, "group": nobody.pw_gid}
-    with tempfile.TemporaryFile("w+") as out:  # a pipe can hang pg_ctl
-        done = subprocess.run(
-            [str(binaries / program), *args],
-            cwd=base,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            timeout=120,
-            env={**os.environ, "LC_ALL": "C", "HOME": str(base)},
-            check=False,
-            **user,
-        )
-        out.seek(0)
-        if check and done.returncode != 0:
-            raise SystemExit(f"{program} failed:\n{out.read()}")
+        cluster.stop()
 
 
 # -- main ------------------------------------------------------------------------------------

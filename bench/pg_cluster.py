@@ -28,6 +28,7 @@ class Cluster:
     base: Path
     bin: Path
     run_as: tuple[int, int] | None = None
+    max_connections: int = 100
 
     @property
     def dsn(self) -> str:
@@ -43,7 +44,7 @@ class Cluster:
         shutil.rmtree(self.base, ignore_errors=True)
 
     def _start(self) -> None:
-        options = f"-k {self.base} -h '' -p 5432"
+        options = f"-k {self.base} -h '' -p 5432 -c max_connections={self.max_connections}"
         self._pg("pg_ctl", "-D", "data", "-l", "server.log", "-w", "-o", options, "start")
 
     def _pg(self, program: str, *args: str, check: bool = True) -> None:
@@ -64,13 +65,13 @@ class Cluster:
                 raise Unavailable(f"{program} {' '.join(args)} failed:\n{out.read()}")
 
 
-def start() -> Cluster:
+def start(*, max_connections: int = 100) -> Cluster:
     spec = importlib.util.find_spec("pgserver")
     if spec is None or spec.origin is None:
         raise Unavailable("no PostgreSQL: pip install pgserver, or pass --pg-dsn")
     install = Path(spec.origin).parent / "pginstall"
     base = Path(tempfile.mkdtemp(prefix="asiento-bench-pg-"))
-    cluster = Cluster(base=base, bin=install / "bin")
+    cluster = Cluster(base=base, bin=install / "bin", max_connections=max_connections)
     try:
         _prepare(cluster, install)
         cluster._pg("initdb", "-D", "data", "-U", "postgres", "--auth=trust", "-E", "UTF8")
