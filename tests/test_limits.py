@@ -8,6 +8,7 @@ import pytest
 
 from asiento import (
     Agent,
+    JournalFull,
     ModelResponse,
     RecordTooLarge,
     Session,
@@ -73,3 +74,18 @@ async def test_oversized_record_is_refused_and_nothing_is_written(tmp_path: Path
     with pytest.raises(RecordTooLarge, match="limit"):
         await store.append(ok, huge)
     assert await store.load("r") == []
+
+
+async def test_full_journal_is_a_typed_error_and_keeps_what_was_recorded(tmp_path: Path) -> None:
+    """When the journal cannot grow, append raises JournalFull and earlier records stay intact."""
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    first = StepEvent(run_id="r", step_id="a", phase=Phase.RESULT, payload={"v": 1})
+    await store.append(first)
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count = {pages}")  # stands for a full disk
+    big = StepEvent(run_id="r", step_id="b", phase=Phase.RESULT, payload={"v": "x" * 100_000})
+    with pytest.raises(JournalFull, match="nothing of this write was recorded"):
+        await store.append(big)
+    assert [e.step_id for e in await store.load("r")] == ["a"]
+    [info] = await store.runs()
+    assert info.events == 1

@@ -7,6 +7,7 @@
     │   ├── NotAJournal         the file is not an asiento journal (or not SQLite at all)
     │   ├── JournalCorrupt      the journal file is damaged; it is never overwritten
     │   ├── JournalBusy         another process held the write lock past the timeout
+    │   ├── JournalFull         the disk (or the journal's size limit) is full; nothing was written
     │   ├── RecordTooLarge      a record's payload is over the journal's size limit
     │   ├── JournalTooNew       the journal was written by a newer asiento
     │   ├── RunLocked           another session holds the run's lease
@@ -56,6 +57,13 @@ class JournalCorrupt(JournalError):
 
 class JournalBusy(JournalError):
     """Another process kept the journal locked longer than the timeout."""
+
+
+class JournalFull(JournalError):
+    """No space left for the journal: the transaction was rolled back, nothing recorded.
+
+    Free some space and resume the run: what was recorded before is intact.
+    """
 
 
 class RecordTooLarge(JournalError):

@@ -20,6 +20,7 @@ from ..errors import (
     JournalBusy,
     JournalCorrupt,
     JournalError,
+    JournalFull,
     JournalTooNew,
     NotAJournal,
     UsageError,
@@ -320,6 +321,11 @@ class SqliteCheckpointer:
         except sqlite3.OperationalError as exc:
             if "decode" in str(exc):
                 raise JournalCorrupt(f"{self.path}: {exc}; the file was left as it is") from exc
+            if "is full" in str(exc):
+                raise JournalFull(
+                    f"{self.path}: {exc}; nothing of this write was recorded. "
+                    "Free some space, then resume the run"
+                ) from exc
             if "locked" in str(exc) or "busy" in str(exc):
                 raise JournalBusy(f"{self.path}: {exc}; another process holds the lock") from exc
             raise JournalError(f"{self.path}: {exc}") from exc
