@@ -31,7 +31,7 @@ from .errors import ApprovalError, UsageError
 from .events import FINAL_STEP_ID, Decision, Phase, RunInfo, RunStatus, StepEvent
 from .journal.base import Checkpointer
 from .journal.url import open_store
-from .replay import StepState, step_state
+from .replay import StepState, index, step_state
 
 DEFAULT_STORE = "runs.db"
 SUMMARY_WIDTH = 90
@@ -77,14 +77,6 @@ async def find_run(store: Checkpointer, run_id: str) -> RunInfo:
         if info.run_id == run_id:
             return info
     raise UsageError(f"unknown run {run_id!r} in this journal; `asiento runs` lists them")
-
-
-def index(events: Sequence[StepEvent]) -> Journal:
-    """The timeline as step id -> phase -> record, steps in the order they first appear."""
-    journal: Journal = {}
-    for event in events:
-        journal.setdefault(event.step_id, {})[event.phase] = event
-    return journal
 
 
 def timeline(events: Sequence[StepEvent]) -> list[tuple[str, list[StepEvent]]]:

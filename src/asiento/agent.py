@@ -38,7 +38,7 @@ from .journal.base import MAX_RECORD_BYTES
 from .ledger import cost_of
 from .model import Message, ModelRequest, ModelResponse, ToolCall, check_response
 from .policy import Policy, allow_all, ask_policy
-from .replay import Action, Records, StepState, decide, step_state
+from .replay import Action, Records, StepState, decide, index, step_state
 from .session import Session
 from .tools import Tool, ToolArgumentsError
 
@@ -87,13 +87,6 @@ class Agent:
 def model_key(run_id: str, step_id: str, request_fingerprint: str) -> str:
     """The idempotency key of a model request: (run_id, step_id, body fingerprint)."""
     return f"{run_id}:{step_id}:{request_fingerprint[:32]}"
-
-
-def _index(events: Sequence[StepEvent]) -> dict[str, dict[Phase, StepEvent]]:
-    journal: dict[str, dict[Phase, StepEvent]] = {}
-    for event in events:
-        journal.setdefault(event.step_id, {})[event.phase] = event
-    return journal
 
 
 def _is_tool_step(step_id: str) -> bool:
@@ -153,7 +146,7 @@ class _Pass:
 
     async def _walk(self) -> AsyncIterator[Step]:
         """Replay what the journal holds, then do what is missing, step by step."""
-        self.journal = _index(await self.store.load(self.run_id))
+        self.journal = index(await self.store.load(self.run_id))
         final = self.journal.get(FINAL_STEP_ID, {}).get(Phase.RESULT)
         if final is not None:  # closed by the session we waited for
             yield self._closed(final)
@@ -168,9 +161,9 @@ class _Pass:
                 for step in self._drain():
                     yield step
                 return
-            for index, call in enumerate(response.tool_calls, 1):
+            for number, call in enumerate(response.tool_calls, 1):
                 await self._boundary()
-                go_on = await self._tool_step(f"{step_id}.t{index}", call)
+                go_on = await self._tool_step(f"{step_id}.t{number}", call)
                 for step in self._drain():
                     yield step
                 if not go_on:

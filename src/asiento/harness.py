@@ -12,7 +12,7 @@ from ._crash import crash_point
 from .errors import ApprovalError, DuplicateRecord, UsageError
 from .events import FINAL_STEP_ID, Decision, Phase, RunStatus, StepEvent
 from .journal.base import Checkpointer, check_id
-from .replay import step_state
+from .replay import index, step_state
 
 
 async def approve(
@@ -114,9 +114,7 @@ async def resolve(
     check_id("step_id", step_id)
     if not isinstance(happened, bool):
         raise UsageError("resolve(happened=...) takes True or False")
-    journal: dict[str, dict[Phase, StepEvent]] = {}
-    for event in await store.load(run_id):
-        journal.setdefault(event.step_id, {})[event.phase] = event
+    journal = index(await store.load(run_id))
     state = step_state(journal, step_id.split("/", 1)[0])
     records = state.records
     where = f"run {run_id!r} step {state.step_id!r}"

@@ -22,7 +22,7 @@ the first try, and the attempts are counted in the journal.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -79,6 +79,14 @@ def check_approval(intent: StepEvent, approval: StepEvent) -> None:
             f"run {intent.run_id!r} step {intent.step_id!r}: the recorded approval was given for "
             f"arguments {shown!r}, but the step froze {frozen!r}; it approves nothing"
         )
+
+
+def index(events: Sequence[StepEvent]) -> dict[str, dict[Phase, StepEvent]]:
+    """A timeline as step id -> phase -> record, steps in the order they first appear."""
+    journal: dict[str, dict[Phase, StepEvent]] = {}
+    for event in events:
+        journal.setdefault(event.step_id, {})[event.phase] = event
+    return journal
 
 
 def attempt_id(step_id: str, attempt: int) -> str:

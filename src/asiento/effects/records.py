@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..events import Phase, StepEvent
 from ..journal.base import Checkpointer
-from ..replay import Records, step_state
+from ..replay import Records, index, step_state
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,9 +26,7 @@ class EffectRecord:
 
 def effect_records_of(events: Sequence[StepEvent]) -> list[EffectRecord]:
     """The effect records of one run's timeline, in step order."""
-    journal: dict[str, dict[Phase, StepEvent]] = {}
-    for event in events:
-        journal.setdefault(event.step_id, {})[event.phase] = event
+    journal = index(events)
     records = []
     for step_id, phases in journal.items():
         intent = phases.get(Phase.INTENT)
