@@ -133,7 +133,13 @@ class Fleet:
         return codes
 
     def stop(self) -> list[int]:
-        """SIGTERM every live worker: each finishes its step, then exits (75)."""
+        """SIGTERM every live worker: each finishes its step, then exits (75).
+
+        A replacement still starting has not installed its SIGTERM handler yet (the
+        signal would kill it, -15): wait until every live worker said it is ready.
+        """
+        ready = lambda: {e["pid"] for e in self.logs() if e["ev"] == "ready"}  # noqa: E731
+        wait_for(lambda: all(w.pid in ready() or w.poll() is not None for w in self.live), 60)
         for worker in self.live:
             worker.send_signal(signal.SIGTERM)
         codes = [w.wait(timeout=60) for w in self.live]
