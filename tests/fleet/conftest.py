@@ -142,7 +142,7 @@ class Fleet:
         wait_for(lambda: all(w.pid in ready() or w.poll() is not None for w in self.live), 60)
         for worker in self.live:
             worker.send_signal(signal.SIGTERM)
-        codes = [w.wait(timeout=60) for w in self.live]
+        codes = [w.wait(timeout=120) for w in self.live]  # after an outage, pools reconnect slowly
         self.live = []
         self.exits += codes
         return codes
