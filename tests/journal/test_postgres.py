@@ -312,22 +312,45 @@ async def test_connection_killed_once_the_batch_is_retried_whole(
 
 
 @pytest.mark.parametrize("trigger", [DURING_APPEND, DURING_COMMIT], ids=["insert", "commit"])
-async def test_connection_killed_twice_writes_nothing(
+async def test_connection_killed_again_and_again_the_batch_lands_once(
+    store: PostgresCheckpointer, admin: psycopg.AsyncConnection[Any], trigger: str
+) -> None:
+    """Killed on four attempts in a row: the fifth lands, and the batch is there once."""
+    await admin.execute(SLOW.format(times=4))
+    await admin.execute(trigger)
+    await store.append(ev("m1"))
+    killer = asyncio.create_task(terminate_sleepers(admin, store.dsn, 4))
+    appending = asyncio.create_task(store.append(ev("m2"), ev("slow"), ev("m3")))
+    assert await killer == 4
+    await asyncio.wait_for(appending, timeout=20)
+    assert [e.step_id for e in await store.load("run-1")] == ["m1", "m2", "slow", "m3"]
+    [run] = await store.runs()
+    assert run.events == 4
+
+
+@pytest.mark.parametrize("trigger", [DURING_APPEND, DURING_COMMIT], ids=["insert", "commit"])
+async def test_connection_killed_past_the_retry_budget_writes_nothing(
     admin: psycopg.AsyncConnection[Any], pg_dsn: str, trigger: str
 ) -> None:
-    """Killed on the retry too: JournalError naming the database, and no record of the batch."""
-    async with PostgresCheckpointer(make_conninfo(pg_dsn, password=SECRET), max_size=1) as store:
-        await admin.execute(SLOW.format(times=2))
+    """Out of ``retry_for``: JournalError naming the database, and no record of the batch."""
+    conninfo = make_conninfo(pg_dsn, password=SECRET)
+    async with PostgresCheckpointer(conninfo, max_size=1, retry_for=0) as store:
+        await admin.execute(SLOW.format(times=1))
         await admin.execute(trigger)
         await store.append(ev("m1"))
-        killer = asyncio.create_task(terminate_sleepers(admin, pg_dsn, 2))
-        with pytest.raises(JournalError, match="asiento_t_") as info:
+        killer = asyncio.create_task(terminate_sleepers(admin, pg_dsn, 1))
+        with pytest.raises(JournalError, match="asiento_t_.*kept being lost") as info:
             await store.append(ev("m2"), ev("slow"), ev("m3"), status=RunStatus.CLOSED)
-        assert await killer == 2
+        assert await killer == 1
         assert SECRET not in str(info.value)
         assert [e.step_id for e in await store.load("run-1")] == ["m1"]
         [run] = await store.runs()
         assert (run.events, run.status) == (1, RunStatus.RUNNING)
+
+
+def test_retry_budget_must_not_be_negative(pg_dsn: str) -> None:
+    with pytest.raises(UsageError, match="retry_for"):
+        PostgresCheckpointer(pg_dsn, retry_for=-1)
 
 
 async def test_process_killed_inside_commit_leaves_nothing(store: PostgresCheckpointer) -> None:

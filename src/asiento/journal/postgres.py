@@ -12,14 +12,16 @@ of workers may open a new database at once.
 
 Semantics are ``SqliteCheckpointer``'s, except that lease times come from the
 server's clock, the one clock every worker shares. A connection lost before
-COMMIT leaves nothing behind and the work is retried once on a new connection;
-a COMMIT whose outcome is unknown is read back before ``append`` returns.
+COMMIT leaves nothing behind and the work is retried on a new connection, with
+backoff, for up to ``retry_for`` seconds; a COMMIT whose outcome is unknown is
+read back before ``append`` tries again or returns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -73,19 +75,50 @@ class _CommitUnknown(Exception):
     """The connection died during COMMIT: the transaction may or may not be recorded."""
 
 
+class _ConnectionLost(Exception):
+    """The connection died before COMMIT: nothing of the transaction was recorded."""
+
+
+class _Retry:
+    """Backoff between attempts on new connections, bounded by a time budget."""
+
+    def __init__(self, budget: float) -> None:
+        self._deadline = time.monotonic() + budget
+        self._delay = 0.02
+
+    async def pause(self, give_up: JournalError) -> None:
+        """Sleep before the next attempt, or raise ``give_up`` once the budget is spent."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise give_up
+        await asyncio.sleep(min(self._delay, left))
+        self._delay = min(self._delay * 2, 1.0)
+
+
 class PostgresCheckpointer:
     """Journal in a PostgreSQL database, shared by any number of processes and machines.
 
     ``dsn`` is a libpq connection string or URL; ``min_size`` and ``max_size``
-    bound the connection pool; ``timeout`` is how long to wait for a connection.
-    Error messages name the database without its password.
+    bound the connection pool; ``timeout`` is how long to wait for a connection;
+    ``retry_for`` is how long one operation keeps retrying, on new connections,
+    when its connection is lost (a failover, a terminated backend), so that a tool
+    result already paid for is not dropped over a blip. Error messages name the
+    database without its password.
     """
 
     def __init__(
-        self, dsn: str, *, min_size: int = 1, max_size: int = 10, timeout: float = 30.0
+        self,
+        dsn: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 10,
+        timeout: float = 30.0,
+        retry_for: float = 10.0,
     ) -> None:
-        if not 0 <= min_size <= max_size or max_size < 1 or not timeout > 0:
+        if not 0 <= min_size <= max_size or max_size < 1:
             raise UsageError("PostgresCheckpointer needs 0 <= min_size <= max_size, max_size >= 1")
+        if not timeout > 0 or not retry_for >= 0:
+            raise UsageError("PostgresCheckpointer needs timeout > 0 and retry_for >= 0 (seconds)")
         self.dsn = dsn
         self.where = redact(dsn)
         self._connect = dict(_CONNECT)
@@ -93,6 +126,7 @@ class PostgresCheckpointer:
             self._connect["connect_timeout"] = _CONNECT_TIMEOUT
         self._sizes = (min_size, max_size)
         self._timeout = timeout
+        self._retry_for = retry_for
         self._pool: AsyncConnectionPool[Conn] | None = None
         self._opening: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -103,10 +137,17 @@ class PostgresCheckpointer:
 
     @classmethod
     async def connect(
-        cls, dsn: str, *, min_size: int = 1, max_size: int = 10, timeout: float = 30.0
+        cls,
+        dsn: str,
+        *,
+        min_size: int = 1,
+        max_size: int = 10,
+        timeout: float = 30.0,
+        retry_for: float = 10.0,
     ) -> Self:
         """Construct and open a store: ``await PostgresCheckpointer.connect(dsn)``."""
-        return await cls(dsn, min_size=min_size, max_size=max_size, timeout=timeout).open()
+        store = cls(dsn, min_size=min_size, max_size=max_size, timeout=timeout, retry_for=retry_for)
+        return await store.open()
 
     async def open(self) -> Self:
         """Apply missing migrations and open the pool; idempotent. Needs a running loop."""
@@ -287,55 +328,63 @@ class PostgresCheckpointer:
     # -- connections and transactions ------------------------------------------------------
 
     async def _transact(self, work: Work[T]) -> T:
-        """Run ``work`` in one transaction; a connection lost before COMMIT is retried once."""
+        """Run ``work`` in one transaction; a connection lost before COMMIT is retried."""
+        retry = _Retry(self._retry_for)
+        while True:
+            try:
+                return await self._transact_once(work)
+            except _ConnectionLost as exc:
+                await retry.pause(self._gave_up("committing", exc))
+
+    async def _transact_once(self, work: Work[T]) -> T:
+        """One attempt: ``_ConnectionLost`` if nothing was written, ``_CommitUnknown`` if unsure."""
         pool = await self._ready()
-        for attempt in (1, 2):
-            with self._errors():
-                async with pool.connection() as conn:
-                    try:
-                        await conn.execute("BEGIN")
-                        result = await work(conn)
-                    except psycopg.OperationalError:
-                        if conn.broken and attempt == 1:
-                            await pool.check()
-                            continue
-                        await _rollback(conn)
-                        raise
-                    except BaseException:
-                        await _rollback(conn)
-                        raise
-                    try:
-                        await conn.execute("COMMIT")
-                    except psycopg.OperationalError as exc:
-                        if conn.broken:
-                            raise _CommitUnknown(str(exc)) from exc
-                        raise
-                    return result
-        raise AssertionError("unreachable: the second attempt returns or raises")
+        with self._errors():
+            async with pool.connection() as conn:
+                try:
+                    await conn.execute("BEGIN")
+                    result = await work(conn)
+                except psycopg.OperationalError as exc:
+                    await _rollback(conn)
+                    if conn.broken:
+                        await pool.check()
+                        raise _ConnectionLost(_text(exc)) from exc
+                    raise
+                except BaseException:
+                    await _rollback(conn)
+                    raise
+                try:
+                    await conn.execute("COMMIT")
+                except psycopg.OperationalError as exc:
+                    if conn.broken:
+                        raise _CommitUnknown(_text(exc)) from exc
+                    raise
+                return result
 
     async def _exactly_once(self, work: Work[None], landed: Landed) -> None:
         """``_transact`` for a write that must not happen twice.
 
         A COMMIT whose outcome is unknown is read back (``landed``) before anything
-        else; if it is not there, the write is tried once more, on a new connection.
+        else; if it is not there, the write is tried again, on a new connection, for
+        as long as ``retry_for`` allows.
         """
-        try:
-            return await self._transact(work)
-        except _CommitUnknown:
-            if await self._read_back(landed):
+        retry = _Retry(self._retry_for)
+        unsure = False
+        while True:
+            try:
+                await self._transact_once(work)
                 return None
-        try:
-            await self._transact(work)
-        except (DuplicateRecord, UsageError):  # the lost COMMIT did land, after all?
-            if not await self._read_back(landed):
-                raise
-        except _CommitUnknown as exc:
-            if not await self._read_back(landed):
-                raise JournalError(
-                    f"{self.where}: the connection was lost twice while committing; "
-                    "nothing was written"
-                ) from exc
-        return None
+            except (DuplicateRecord, UsageError):
+                if not (unsure and await self._read_back(landed)):
+                    raise
+                return None  # a COMMIT we could not confirm had landed after all
+            except _CommitUnknown as exc:
+                unsure = True
+                if await self._read_back(landed):
+                    return None
+                await retry.pause(self._gave_up("committing; nothing was written", exc))
+            except _ConnectionLost as exc:
+                await retry.pause(self._gave_up("committing; nothing was written", exc))
 
     async def _read_back(self, landed: Landed) -> bool:
         try:
@@ -348,29 +397,35 @@ class PostgresCheckpointer:
 
     async def _idempotent(self, work: Work[T]) -> T:
         """``_transact`` for work that may safely run twice: an unknown COMMIT is redone."""
-        try:
-            return await self._transact(work)
-        except _CommitUnknown:
-            pass
-        try:
-            return await self._transact(work)
-        except _CommitUnknown as exc:
-            raise JournalError(f"{self.where}: connection lost twice while committing") from exc
+        retry = _Retry(self._retry_for)
+        while True:
+            try:
+                return await self._transact_once(work)
+            except (_CommitUnknown, _ConnectionLost) as exc:
+                await retry.pause(self._gave_up("committing", exc))
 
     async def _fetch(self, query: str, args: Sequence[Any]) -> list[TupleRow]:
-        """One read; a connection found dead is replaced once."""
+        """One read; connections found dead are replaced while ``retry_for`` allows."""
         pool = await self._ready()
-        for attempt in (1, 2):
+        retry = _Retry(self._retry_for)
+        while True:
             with self._errors():
                 async with pool.connection() as conn:
                     try:
                         cur = await conn.execute(query, args)
                         return await cur.fetchall()
-                    except psycopg.OperationalError:
-                        if not (conn.broken and attempt == 1):
+                    except psycopg.OperationalError as exc:
+                        if not conn.broken:
                             raise
+                        lost = exc
                 await pool.check()
-        raise AssertionError("unreachable: the second attempt returns or raises")
+                await retry.pause(self._gave_up("reading", _ConnectionLost(_text(lost))))
+
+    def _gave_up(self, doing: str, exc: Exception) -> JournalError:
+        return JournalError(
+            f"{self.where}: the connection kept being lost while {doing} "
+            f"(retried for {self._retry_for:g} s; last: {exc})"
+        )
 
     async def _ready(self) -> AsyncConnectionPool[Conn]:
         if self._pool is None:
