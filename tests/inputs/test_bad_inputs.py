@@ -206,13 +206,6 @@ async def test_damaged_wal_leaves_a_consistent_prefix(wal_journal: Path, name: s
     assert wal_journal.stat().st_ino == inode, "the journal file was never replaced"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "known limit: closing the last connection lets SQLite checkpoint the damaged WAL "
-        "into the main file; Python 3.11's sqlite3 cannot set SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE"
-    ),
-)
 async def test_wal_with_garbage_pages_is_corrupt_and_nothing_is_overwritten(
     wal_journal: Path,
 ) -> None:

@@ -27,6 +27,7 @@ from ..errors import (
 )
 from ..events import FINAL_STEP_ID, Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
+from ._sqlite_keep import keep_wal_on_close
 from ._sqlite_schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION
 from .base import (
     check_id,
@@ -116,6 +117,7 @@ class SqliteCheckpointer:
             if self._db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                 _migrate(self._db, self.path)
         except BaseException:
+            keep_wal_on_close(self._db, self.path)  # refused: leave every file as found
             self._db.close()
             raise
 
@@ -320,7 +322,7 @@ class SqliteCheckpointer:
             yield
         except sqlite3.OperationalError as exc:
             if "decode" in str(exc):
-                raise JournalCorrupt(f"{self.path}: {exc}; the file was left as it is") from exc
+                raise self._corrupt(exc) from exc
             if "is full" in str(exc):
                 raise JournalFull(
                     f"{self.path}: {exc}; nothing of this write was recorded. "
@@ -330,7 +332,16 @@ class SqliteCheckpointer:
                 raise JournalBusy(f"{self.path}: {exc}; another process holds the lock") from exc
             raise JournalError(f"{self.path}: {exc}") from exc
         except sqlite3.DatabaseError as exc:
-            raise JournalCorrupt(f"{self.path}: {exc}; the file was left as it is") from exc
+            raise self._corrupt(exc) from exc
+
+    def _corrupt(self, exc: sqlite3.Error) -> JournalCorrupt:
+        """The error for a damaged file, which from now on closing will not checkpoint."""
+        if keep_wal_on_close(self._db, self.path):
+            return JournalCorrupt(f"{self.path}: {exc}; the file was left as it is")
+        return JournalCorrupt(
+            f"{self.path}: {exc}; copy the file and its -wal before closing this store: "
+            "this Python cannot stop SQLite from checkpointing the WAL on close"
+        )
 
 
 def _connect(path: Path, timeout: float) -> sqlite3.Connection:
