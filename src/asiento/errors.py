@@ -60,9 +60,10 @@ class JournalBusy(JournalError):
 
 
 class JournalFull(JournalError):
-    """No space left for the journal: the transaction was rolled back, nothing recorded.
+    """No room left for the journal: the transaction was rolled back, nothing recorded.
 
-    Free some space and resume the run: what was recorded before is intact.
+    A full disk, the file size limit (``ulimit -f``) or a disk quota. Free some space
+    or raise the limit and resume the run: what was recorded before is intact.
     """
 
 

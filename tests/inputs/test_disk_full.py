@@ -255,7 +255,7 @@ def check_resumed_cleanly(campaign: Campaign, before: list[StepEvent]) -> None:
 async def full_then_resume(campaign: Campaign, first: dict[str, Any]) -> list[StepEvent]:
     """The pass that hit the limit failed typed and recorded only what happened; resume."""
     assert first["outcome"] == "failed", first
-    assert "JournalError" in first["mro"], first
+    assert "JournalFull" in first["mro"], first
     print(f"disk full: {first['mro'][0]}: {first['message'][:160]}")
     before = await campaign.journal()
     check_nothing_recorded_that_did_not_happen(campaign, before)

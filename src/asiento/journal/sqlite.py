@@ -6,6 +6,7 @@ racing for the same record; there is no read-then-write check anywhere.
 
 from __future__ import annotations
 
+import errno
 import os
 import sqlite3
 import time
@@ -27,7 +28,7 @@ from ..errors import (
 )
 from ..events import FINAL_STEP_ID, Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
-from ._sqlite_keep import keep_wal_on_close
+from ._sqlite_capi import keep_wal_on_close, os_errno
 from ._sqlite_schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION
 from .base import (
     check_id,
@@ -44,6 +45,12 @@ from .base import (
 Durability = Literal["full", "process"]
 
 _SYNCHRONOUS = {"full": "FULL", "process": "NORMAL"}
+
+# OS errors that SQLite reports as a bare "disk I/O error" but mean "no room to write".
+_NO_ROOM = {
+    errno.EFBIG: "the file size limit was reached: ulimit -f, RLIMIT_FSIZE",
+    errno.EDQUOT: "the disk quota was exceeded",
+}
 
 # How many runs one claim may park before it gives up for this call.
 _MAX_PARKED_PER_CLAIM = 100
@@ -328,11 +335,22 @@ class SqliteCheckpointer:
                     f"{self.path}: {exc}; nothing of this write was recorded. "
                     "Free some space, then resume the run"
                 ) from exc
+            if limit := self._limit_behind(exc):
+                raise JournalFull(
+                    f"{self.path}: {exc} ({limit}); nothing of this write was recorded. "
+                    "Raise the limit or free some space, then resume the run"
+                ) from exc
             if "locked" in str(exc) or "busy" in str(exc):
                 raise JournalBusy(f"{self.path}: {exc}; another process holds the lock") from exc
             raise JournalError(f"{self.path}: {exc}") from exc
         except sqlite3.DatabaseError as exc:
             raise self._corrupt(exc) from exc
+
+    def _limit_behind(self, exc: sqlite3.Error) -> str | None:
+        """The limit a bare "disk I/O error" ran into, if it was one (EFBIG, EDQUOT)."""
+        if "disk I/O error" not in str(exc):
+            return None
+        return _NO_ROOM.get(os_errno(self._db, self.path) or 0)
 
     def _corrupt(self, exc: sqlite3.Error) -> JournalCorrupt:
         """The error for a damaged file, which from now on closing will not checkpoint."""

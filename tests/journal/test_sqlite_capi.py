@@ -10,7 +10,7 @@ import pytest
 
 from asiento import SqliteCheckpointer
 from asiento.events import Phase, StepEvent
-from asiento.journal._sqlite_keep import keep_wal_on_close
+from asiento.journal._sqlite_capi import keep_wal_on_close, os_errno
 
 
 def wal_database(path: Path) -> sqlite3.Connection:
@@ -55,3 +55,11 @@ async def test_healthy_store_checkpoints_on_close(tmp_path: Path) -> None:
     await store.append(StepEvent(run_id="r", step_id="m1", phase=Phase.RESULT, payload={}))
     await store.close()
     assert not Path(f"{tmp_path / 'runs.db'}-wal").exists()
+
+
+def test_os_errno_of_a_healthy_connection_is_none(tmp_path: Path) -> None:
+    """No failed write, no errno (the figure that JournalFull for EFBIG is read from)."""
+    path = tmp_path / "ok.db"
+    db = wal_database(path)
+    assert os_errno(db, path) is None
+    db.close()
