@@ -339,7 +339,7 @@ async def test_connection_killed_past_the_retry_budget_writes_nothing(
         await admin.execute(trigger)
         await store.append(ev("m1"))
         killer = asyncio.create_task(terminate_sleepers(admin, pg_dsn, 1))
-        with pytest.raises(JournalError, match="asiento_t_.*kept being lost") as info:
+        with pytest.raises(JournalError, match=r"asiento_t_.*kept being lost") as info:
             await store.append(ev("m2"), ev("slow"), ev("m3"), status=RunStatus.CLOSED)
         assert await killer == 1
         assert SECRET not in str(info.value)
