@@ -360,3 +360,25 @@ async def test_server_serves_concurrent_posts(server: InvoiceServer) -> None:
         )
     assert {a.json()["id"] for a in answers} == {"in_000001"}
     assert (server.posts, len(server.invoices)) == (20, 1)
+
+
+def test_client_killed_mid_request_is_not_reported_as_a_server_error(
+    server: InvoiceServer, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A client that vanishes (RST) mid-exchange, as in every crash test, prints nothing."""
+    import socket
+    import struct
+    from urllib.parse import urlsplit
+
+    where = urlsplit(server.url)
+    body = b'{"customer": "c", "amount": 1}'
+    for _ in range(5):
+        with socket.create_connection((where.hostname, where.port), timeout=5) as sock:
+            sock.sendall(
+                b"POST /invoices HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body[:5]
+            )
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    time.sleep(0.3)  # let the handler threads meet the reset
+    assert "Traceback" not in capfd.readouterr().err
