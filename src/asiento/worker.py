@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from . import shutdown
@@ -24,6 +24,9 @@ from .model import Gateway
 from .session import Session
 
 log = logging.getLogger("asiento.worker")
+
+# How often a waiting claim looks for a shutdown request (seconds).
+_SHUTDOWN_POLL = 0.1
 
 
 async def submit(store: Checkpointer, run_id: str, task: str, *, agent: str = "default") -> None:
@@ -59,6 +62,24 @@ class WorkerStats:
     runs: list[str] = field(default_factory=list)
 
 
+async def _unless_stopping(claiming: Awaitable[Claim | None]) -> Claim | None:
+    """Await a claim, but give it up when a shutdown is requested meanwhile.
+
+    A claim waits for a connection as long as the store's timeout (30 s on PostgreSQL)
+    when the database is down; SIGTERM must not wait that long. A claim cut short
+    may still have landed: that run's lease then expires and another worker takes it.
+    """
+    task = asyncio.ensure_future(claiming)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_SHUTDOWN_POLL)
+        if done:
+            return task.result()
+        if shutdown.requested():
+            task.cancel()
+            await asyncio.wait({task}, timeout=_SHUTDOWN_POLL * 50)
+            raise shutdown.ShutdownRequested("a shutdown was requested while claiming a run")
+
+
 class Worker:
     """Claims runs from ``store`` and drives them with ``app``'s agents."""
 
@@ -69,9 +90,9 @@ class Worker:
 
     async def run_once(self) -> bool:
         """Claim one run and drive it until it ends or needs a person; False if none needed work."""
-        claim = await self.store.claim(
-            self.holder, ttl=self.app.lease_ttl, max_attempts=self.app.max_attempts
-        )
+        app = self.app
+        claiming = self.store.claim(self.holder, ttl=app.lease_ttl, max_attempts=app.max_attempts)
+        claim = await _unless_stopping(claiming)
         if claim is None:
             return False
         self.stats.claimed += 1

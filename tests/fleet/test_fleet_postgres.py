@@ -227,6 +227,31 @@ async def test_fleet_rides_out_server_restarts(
     print(f"worker restarts after JournalError: {restarts(fleet)}")
 
 
+async def test_sigterm_while_the_server_is_down_exits_75_without_waiting_for_the_pool(
+    pg_store: PostgresCheckpointer,
+    pg_cluster: pg_server.Cluster,
+    pg_url: str,
+    fleet_factory: Callable[[str], Fleet],
+) -> None:
+    """An idle worker whose claim waits for a dead server stops on SIGTERM, not 30 s later."""
+    ours(pg_cluster)
+    fleet = fleet_factory(pg_url)
+    [worker] = fleet.start(1, "--poll", "0.05")
+    await asyncio.to_thread(wait_for, lambda: any(e["ev"] == "ready" for e in fleet.logs()), 30)
+    await asyncio.to_thread(pg_cluster.halt, "fast")
+    try:
+        await asyncio.sleep(1.0)  # its claims now wait for a connection (the pool's 30 s)
+        worker.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        code = await asyncio.to_thread(worker.wait, 60)
+        waited = time.monotonic() - started
+    finally:
+        await asyncio.to_thread(pg_cluster.resume)
+    assert code == 75, fleet.stderr()
+    assert waited < 20, f"the worker waited {waited:.1f} s for the pool instead of stopping"
+    fleet.live.remove(worker)
+
+
 async def outage_during_tool(
     store: PostgresCheckpointer, cluster: pg_server.Cluster, fleet: Fleet, ttl: str, down: float
 ) -> RunInfo:
