@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
+import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -382,3 +385,65 @@ def test_client_killed_mid_request_is_not_reported_as_a_server_error(
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     time.sleep(0.3)  # let the handler threads meet the reset
     assert "Traceback" not in capfd.readouterr().err
+
+
+class _Answer422(ThreadingHTTPServer):
+    """Answers every POST with 422 and a fixed JSON body."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(422)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
+@contextlib.contextmanager
+def answering_422(body: dict[str, Any]) -> Iterator[str]:
+    server = _Answer422(body)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/invoices"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
+VALIDATION_422 = {"detail": [{"loc": ["body", "amount"], "msg": "must be positive"}]}
+DRAFT_422 = {
+    "type": "https://developer.example.com/idempotency",
+    "title": "Idempotency-Key is already used",
+    "detail": "Idempotency Key MUST not be reused across different payloads of this operation.",
+}
+
+
+async def test_422_validation_error_is_a_recorded_refusal(tmp_path: Path) -> None:
+    """A FastAPI-style 422 is the step's failure (the model reads it), not a key conflict."""
+    with answering_422(VALIDATION_422) as url:
+        steps = await drive(
+            invoice_effect(url, keys=True, ttl=60, lookup=False).as_tool(), tmp_path / "runs.db"
+        )
+    assert isinstance(steps[-1], FinalStep)
+    result = effect_result(await journal(tmp_path / "runs.db"))
+    assert result["status"] == "error", result
+    assert "must be positive" in result["error"], result
+
+
+async def test_422_naming_the_idempotency_key_is_a_conflict(tmp_path: Path) -> None:
+    """The IETF draft's 422 (key reused with another payload) raises IdempotencyKeyConflict."""
+    with answering_422(DRAFT_422) as url:
+        effect = invoice_effect(url, keys=True, ttl=60, lookup=False)
+        with pytest.raises(IdempotencyKeyConflict, match="other parameters"):
+            await drive(effect.as_tool(), tmp_path / "runs.db")

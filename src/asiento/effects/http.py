@@ -23,8 +23,9 @@ class HttpEffect(Effect):
     flight, 425, 429, 5xx) are retried with the same key and the same body
     (with ``honours_keys = False`` only a refused connection and a 429 are
     retried: anything else may have been applied); a
-    key reused with other parameters (422, or Stripe's 400 ``idempotency_error``)
-    raises ``IdempotencyKeyConflict``; any other 4xx is a refusal, recorded as
+    key reused with other parameters (Stripe's 400 ``idempotency_error``, or a 422
+    that names the idempotency key, as in the IETF draft) raises
+    ``IdempotencyKeyConflict``; any other 4xx is a refusal, recorded as
     the step's failure. When retries run out the error propagates and the step
     stays submitted, to be reconciled on resume.
     """
@@ -104,9 +105,15 @@ class HttpEffect(Effect):
         return self.published(response)
 
     def key_conflict(self, response: httpx.Response) -> bool:
-        """Whether the destination says the key was reused with different parameters."""
+        """Whether the destination says the key was reused with different parameters.
+
+        Stripe answers 400 with an ``idempotency_error``; the IETF Idempotency-Key
+        draft answers 422 with a problem that names the key. A 422 that does not
+        mention idempotency is an ordinary validation refusal (FastAPI's, Rails'),
+        recorded as the step's failure. Override this for other destinations.
+        """
         if response.status_code == 422:
-            return True
+            return "idempoten" in response.text.lower()
         if response.status_code != 400:
             return False
         try:
