@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -86,3 +88,79 @@ async def test_usage_and_cost_are_recorded_and_resume_reports_the_savings(tmp_pa
         100,
     )
     assert info.saved_cost == pytest.approx(0.0028)
+
+
+def test_cache_reads_and_writes_are_charged_at_their_own_prices() -> None:
+    """Uncached input, cache reads, cache writes and output each cost their own price."""
+    usage = Usage(
+        input_tokens=1_000_000,
+        output_tokens=100_000,
+        cached_input_tokens=600_000,
+        cache_write_tokens=200_000,
+    )
+    cached = {"m": Price(3.0, 15.0, cached_input_per_mtok=0.3, cache_write_per_mtok=3.75)}
+    assert cost_of(usage, "m", cached) == pytest.approx(0.6 + 0.18 + 0.75 + 1.5)
+    assert cost_of(usage, "m", {"m": Price(3.0, 15.0)}) == pytest.approx(3.0 + 1.5)
+    reads_only = {"m": Price(3.0, 15.0, cached_input_per_mtok=0.3)}
+    assert cost_of(usage, "m", reads_only) == pytest.approx(0.6 + 0.18 + 0.6 + 1.5)
+    assert Usage(input_tokens=1, output_tokens=2).cached_input_tokens == 0
+    for bad in ({"cached_input_per_mtok": -0.1}, {"cache_write_per_mtok": -1.0}):
+        with pytest.raises(UsageError, match="negative"):
+            Price(3.0, 15.0, **bad)
+
+
+async def test_a_record_written_before_cache_figures_still_replays(tmp_path: Path) -> None:
+    """A model result with the old two-number usage replays with 0 cached tokens and its savings."""
+    cached = Usage(input_tokens=1000, output_tokens=100, cached_input_tokens=800)
+    script = [
+        ModelResponse(tool_calls=SCRIPT[0].tool_calls, usage=cached, model="gpt-x"),
+        SCRIPT[1],
+    ]
+    crashes = [True]
+
+    @tool(idempotent=True)
+    def crash() -> str:
+        """Die once, then answer."""
+        if crashes.pop() if crashes else False:
+            raise Boom
+        return "ok"
+
+    agent, first = Agent(tools=[crash]), SqliteCheckpointer(tmp_path / "runs.db")
+    with pytest.raises(Boom):
+        async for _ in agent.run("t", session=Session("r", ScriptedGateway(script), first)):
+            pass
+    await first.close()
+    db = tmp_path / "runs.db"
+    old = _as_written_before(db, cost=0.0028)
+    assert old["response"]["usage"] == [1000, 100]
+    assert ModelResponse.from_json(old["response"]).usage == Usage(
+        input_tokens=1000, output_tokens=100
+    )
+    store = SqliteCheckpointer(db)
+    second = Session("r", ScriptedGateway(script), store, prices=PRICES)
+    async for _ in agent.run("t", session=second):
+        pass
+    assert (second.stats.model_calls, second.stats.model_calls_replayed) == (1, 1)
+    assert (second.stats.input_tokens_saved, second.stats.output_tokens_saved) == (1000, 100)
+    assert second.stats.cost_saved == pytest.approx(0.0028)
+    [info] = await store.runs()
+    assert (info.saved_input_tokens, info.saved_output_tokens) == (1000, 100)
+    await store.close()
+
+
+M1_RESULT = "WHERE run_id = 'r' AND step_id = 'm1' AND phase = 'result'"
+
+
+def _as_written_before(db: Path, *, cost: float) -> dict:
+    """Rewrite m1's result the way journals held it before cache figures: two numbers, no cache."""
+    conn = sqlite3.connect(db)
+    try:
+        with conn:
+            (raw,) = conn.execute(f"SELECT payload FROM journal {M1_RESULT}").fetchone()
+            payload = json.loads(raw)
+            assert payload["response"].pop("cache") == [800, 0]
+            payload["cost"] = cost
+            conn.execute(f"UPDATE journal SET payload = ? {M1_RESULT}", (json.dumps(payload),))
+    finally:
+        conn.close()
+    return payload

@@ -33,10 +33,25 @@ class ToolCall:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Usage:
-    """Tokens a model call was billed for, as the provider reported them."""
+    """Tokens a model call was billed for, as the provider reported them.
+
+    ``input_tokens`` counts every input token the provider processed, cached or
+    not: OpenAI's ``prompt_tokens`` as they come, Anthropic's ``input_tokens``
+    plus its cache writes and reads (which Anthropic reports apart). Of those,
+    ``cached_input_tokens`` were read from a prompt cache (billed at a discount)
+    and ``cache_write_tokens`` were written to one (Anthropic's cache creation,
+    billed at a premium); the rest, ``uncached_input_tokens``, at the input price.
+    """
 
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_input_tokens: int = 0
+    cache_write_tokens: int = 0
+
+    @property
+    def uncached_input_tokens(self) -> int:
+        """Input tokens neither read from nor written to a cache (never below 0)."""
+        return max(self.input_tokens - self.cached_input_tokens - self.cache_write_tokens, 0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,8 +71,7 @@ class ModelResponse:
         data: dict[str, Any] = {"text": self.text}
         if self.tool_calls:
             data["tool_calls"] = [c.to_json() for c in self.tool_calls]
-        if self.usage.input_tokens or self.usage.output_tokens:
-            data["usage"] = [self.usage.input_tokens, self.usage.output_tokens]
+        data |= _usage_json(self.usage)
         if self.model:
             data["model"] = self.model
         if self.request_id is not None:
@@ -66,14 +80,36 @@ class ModelResponse:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ModelResponse:
-        inp, out = data.get("usage", (0, 0))
         return cls(
             text=data.get("text", ""),
             tool_calls=[ToolCall.from_json(c) for c in data.get("tool_calls", ())],
-            usage=Usage(input_tokens=inp, output_tokens=out),
+            usage=_usage_from(data),
             model=data.get("model", ""),
             request_id=data.get("request_id"),
         )
+
+
+def _usage_json(usage: Usage) -> dict[str, Any]:
+    """``usage: [input, output]``, as journals always held it, and ``cache: [read, written]``.
+
+    ``cache`` is a key of its own, written only when a cache was reported, so
+    readers that know only ``usage`` (older versions, the run index) still load it.
+    """
+    data: dict[str, Any] = {}
+    if usage.input_tokens or usage.output_tokens:
+        data["usage"] = [usage.input_tokens, usage.output_tokens]
+    if usage.cached_input_tokens or usage.cache_write_tokens:
+        data["cache"] = [usage.cached_input_tokens, usage.cache_write_tokens]
+    return data
+
+
+def _usage_from(response: Mapping[str, Any]) -> Usage:
+    """The usage of a recorded response; a record without ``cache`` read no cache."""
+    inp, out = response.get("usage", (0, 0))
+    read, written = response.get("cache", (0, 0))
+    return Usage(
+        input_tokens=inp, output_tokens=out, cached_input_tokens=read, cache_write_tokens=written
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,7 +9,9 @@ ids answered by tool results, Anthropic's alternation) and refuses a malformed
 one with 400, counts billable generations (with the Idempotency-Key each was
 made for) and records every request's headers. Knobs: ``fail_next`` (429 /
 500 / 400 ...), ``delay_turn`` (the generation is counted, the answer comes
-late), ``garble_next`` (a 200 whose body cannot be parsed, still billed).
+late), ``garble_next`` (a 200 whose body cannot be parsed, still billed),
+``cache`` (prompt-cache tokens, read and written, reported with every answer
+the way each API reports them).
 
 ``AsgiServer`` runs an ASGI app (the idempotency proxy) with uvicorn in a thread.
 
@@ -32,9 +34,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["CHILD_SCRIPT", "Answer", "AsgiServer", "FakeProvider", "Received", "wait_until"]
+__all__ = [
+    "CHILD_SCRIPT",
+    "Answer",
+    "AsgiServer",
+    "FakeProvider",
+    "Received",
+    "Tokens",
+    "wait_until",
+]
 
 _ANTHROPIC_ID = re.compile(r"^[a-zA-Z0-9_-]+$")
 
@@ -61,6 +71,15 @@ class Received:
         return self.headers.get("idempotency-key")
 
 
+class Tokens(NamedTuple):
+    """What one generation bills: all its input tokens, its output, and cache reads and writes."""
+
+    input: int
+    output: int
+    read: int = 0
+    written: int = 0
+
+
 @dataclass
 class _Knobs:
     failures: deque[int] = field(default_factory=deque)
@@ -76,6 +95,7 @@ class FakeProvider:
         self.requests: list[Received] = []
         self.generations: list[str | None] = []  # the key of each billable generation
         self.problems: list[str] = []  # wire-format errors it refused with 400
+        self.cache = (0, 0)  # (read, written) of the input tokens billed, in every answer
         self._knobs = _Knobs()
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -163,7 +183,9 @@ class FakeProvider:
         if delay:
             self._closing.wait(delay)
         answer = self.script[turn]
-        usage = (len(raw) // 4, 5 + 10 * len(answer.calls) + len(answer.text) // 4)
+        usage = Tokens(
+            len(raw) // 4, 5 + 10 * len(answer.calls) + len(answer.text) // 4, *self.cache
+        )
         out, id_header = render(n, body.get("model", ""), answer, usage)
         content = garbage if garbage is not None else json.dumps(out).encode()
         return 200, {id_header: f"req_{n}", "content-type": "application/json"}, content
@@ -255,7 +277,7 @@ def _chat_turn(body: dict) -> int:
     return sum(1 for m in body["messages"] if m.get("role") == "assistant")
 
 
-def _render_chat(n: int, model: str, answer: Answer, usage: tuple[int, int]) -> tuple[dict, str]:
+def _render_chat(n: int, model: str, answer: Answer, usage: Tokens) -> tuple[dict, str]:
     calls = [
         {
             "id": f"call_{n}_{i}",
@@ -276,11 +298,16 @@ def _render_chat(n: int, model: str, answer: Answer, usage: tuple[int, int]) -> 
             {"index": 0, "message": message, "finish_reason": "tool_calls" if calls else "stop"}
         ],
         "usage": {
-            "prompt_tokens": usage[0],
-            "completion_tokens": usage[1],
-            "total_tokens": sum(usage),
+            "prompt_tokens": usage.input,  # cache reads and writes included, itemised below
+            "completion_tokens": usage.output,
+            "total_tokens": usage.input + usage.output,
         },
     }
+    if usage.read or usage.written:
+        details = {"cached_tokens": usage.read}
+        if usage.written:  # newer models only; servers such as vLLM send cached_tokens alone
+            details["cache_write_tokens"] = usage.written
+        out["usage"]["prompt_tokens_details"] = details
     return out, "x-request-id"
 
 
@@ -319,9 +346,7 @@ def _responses_turn(body: dict) -> int:
     return turns
 
 
-def _render_responses(
-    n: int, model: str, answer: Answer, usage: tuple[int, int]
-) -> tuple[dict, str]:
+def _render_responses(n: int, model: str, answer: Answer, usage: Tokens) -> tuple[dict, str]:
     output: list[dict[str, Any]] = []
     if answer.text:
         text = {"type": "output_text", "text": answer.text, "annotations": []}
@@ -341,8 +366,15 @@ def _render_responses(
         "status": "completed",
         "model": model,
         "output": output,
-        "usage": {"input_tokens": usage[0], "output_tokens": usage[1], "total_tokens": sum(usage)},
+        "usage": {
+            "input_tokens": usage.input,  # cache reads and writes included, itemised below
+            "output_tokens": usage.output,
+            "total_tokens": usage.input + usage.output,
+        },
     }
+    if usage.read or usage.written:
+        details = {"cached_tokens": usage.read, "cache_write_tokens": usage.written}
+        out["usage"]["input_tokens_details"] = details
     return out, "x-request-id"
 
 
@@ -388,9 +420,7 @@ def _messages_turn(body: dict) -> int:
     return sum(1 for m in body["messages"] if m.get("role") == "assistant")
 
 
-def _render_messages(
-    n: int, model: str, answer: Answer, usage: tuple[int, int]
-) -> tuple[dict, str]:
+def _render_messages(n: int, model: str, answer: Answer, usage: Tokens) -> tuple[dict, str]:
     content: list[dict[str, Any]] = []
     if answer.text:
         content.append({"type": "text", "text": answer.text})
@@ -406,7 +436,13 @@ def _render_messages(
         "content": content,
         "stop_reason": "tool_use" if answer.calls else "end_turn",
         "stop_sequence": None,
-        "usage": {"input_tokens": usage[0], "output_tokens": usage[1]},
+        "usage": {
+            # Anthropic leaves cache writes and reads out of input_tokens
+            "input_tokens": usage.input - usage.read - usage.written,
+            "output_tokens": usage.output,
+            "cache_creation_input_tokens": usage.written if usage.written else None,
+            "cache_read_input_tokens": usage.read if usage.read else None,
+        },
     }
     return out, "request-id"
 

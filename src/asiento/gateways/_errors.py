@@ -18,7 +18,7 @@ from typing import Any
 
 from .._crash import crash_point
 from ..errors import RunError, UsageError
-from ..model import ModelResponse, Usage
+from ..model import ModelResponse
 
 #: Statuses that mean "later" (as do 5xx): when they outlast the retries, ModelUnavailable.
 TRANSIENT_STATUSES = frozenset({408, 409, 425, 429})
@@ -139,13 +139,18 @@ def answered(response: ModelResponse) -> ModelResponse:
     return response
 
 
-def usage_from(usage: Any, input_field: str, output_field: str) -> Usage:
-    """Tokens as the provider reported them; a missing or odd figure counts as 0."""
-    if not isinstance(usage, Mapping):
-        return Usage()
-    return Usage(
-        input_tokens=_count(usage.get(input_field)), output_tokens=_count(usage.get(output_field))
-    )
+def usage_fields(usage: Any, *fields: str) -> list[int]:
+    """Token counts as the provider reported them; a missing, null or odd figure counts as 0.
+
+    A field ``a.b`` is read inside the object ``a`` (``prompt_tokens_details.cached_tokens``).
+    """
+    return [_count(_field(usage, name.split("."))) for name in fields]
+
+
+def _field(data: Any, path: list[str]) -> Any:
+    for name in path:
+        data = data.get(name) if isinstance(data, Mapping) else None
+    return data
 
 
 def nonempty(value: Any) -> str | None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._canonical import key_header
 from ..errors import UsageError
-from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema
+from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
 from ._client import OwnedClient
 from ._errors import (
     answered,
@@ -24,7 +24,7 @@ from ._errors import (
     sdk_missing,
     status_error,
     unavailable,
-    usage_from,
+    usage_fields,
 )
 
 if TYPE_CHECKING:
@@ -189,9 +189,31 @@ def parse_message(
     return ModelResponse(
         text="".join(texts),
         tool_calls=calls,
-        usage=usage_from(body.get("usage"), "input_tokens", "output_tokens"),
+        usage=anthropic_usage(body.get("usage")),
         model=nonempty(body.get("model")) or "",
         request_id=request_id,
+    )
+
+
+def anthropic_usage(usage: Any) -> Usage:
+    """Messages usage, with ``input_tokens`` made the whole input.
+
+    Anthropic's ``input_tokens`` leaves out the tokens written to the prompt
+    cache (``cache_creation_input_tokens``) and read from it
+    (``cache_read_input_tokens``); both are added back and kept apart.
+    """
+    fresh, output, written, read = usage_fields(
+        usage,
+        "input_tokens",
+        "output_tokens",
+        "cache_creation_input_tokens",
+        "cache_read_input_tokens",
+    )
+    return Usage(
+        input_tokens=fresh + written + read,
+        output_tokens=output,
+        cached_input_tokens=read,
+        cache_write_tokens=written,
     )
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .._canonical import key_header
 from ..errors import UsageError
-from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema
+from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
 from ._client import OwnedClient
 from ._errors import (
     answered,
@@ -25,7 +25,7 @@ from ._errors import (
     sdk_missing,
     status_error,
     unavailable,
-    usage_from,
+    usage_fields,
 )
 
 if TYPE_CHECKING:
@@ -189,11 +189,10 @@ def parse_chat(
     if not isinstance(text, str):
         raise invalid(provider, key, "the message content is not text", request_id)
     calls = [_chat_call(c, provider, key, request_id) for c in message.get("tool_calls") or ()]
-    usage = body.get("usage") or {}
     return ModelResponse(
         text=text,
         tool_calls=calls,
-        usage=usage_from(usage, "prompt_tokens", "completion_tokens"),
+        usage=openai_usage(body.get("usage"), "prompt", "completion"),
         model=nonempty(body.get("model")) or "",
         request_id=request_id,
     )
@@ -264,7 +263,7 @@ def parse_responses(
     return ModelResponse(
         text="".join(texts),
         tool_calls=calls,
-        usage=usage_from(body.get("usage") or {}, "input_tokens", "output_tokens"),
+        usage=openai_usage(body.get("usage"), "input", "output"),
         model=nonempty(body.get("model")) or "",
         request_id=request_id,
     )
@@ -285,6 +284,26 @@ def _responses_call(item: dict[str, Any], provider: str, key: str, rid: str | No
         raise invalid(provider, key, "a function call has no name", rid)
     args = arguments(provider, key, item.get("arguments", ""), rid)
     return ToolCall(name=item["name"], arguments=args, id=nonempty(item.get("call_id")) or "")
+
+
+def openai_usage(usage: Any, inp: str, out: str) -> Usage:
+    """OpenAI's usage: ``{inp}_tokens`` counts cache reads and writes, itemised in its details.
+
+    Chat Completions names them ``prompt`` / ``completion``, Responses ``input`` / ``output``.
+    """
+    total, output, read, written = usage_fields(
+        usage,
+        f"{inp}_tokens",
+        f"{out}_tokens",
+        f"{inp}_tokens_details.cached_tokens",
+        f"{inp}_tokens_details.cache_write_tokens",
+    )
+    return Usage(
+        input_tokens=total,
+        output_tokens=output,
+        cached_input_tokens=read,
+        cache_write_tokens=written,
+    )
 
 
 def _dumps(args: Mapping[str, Any]) -> str:
