@@ -171,7 +171,7 @@ async def test_show_prints_the_timeline(tmp_path: Path) -> None:
     fp = await suspended(tmp_path / "runs.db", "run-1")
     table = cli("show", "run-1", cwd=tmp_path)
     assert table.returncode == 0, table.stderr
-    assert "run 'run-1' · suspended · 2 records" in table.stdout
+    assert "run 'run-1' · suspended · 2 steps · 2 records · last activity" in table.stdout
     assert "model calls 1 (400 in / 30 out)" in table.stdout
     at = r"\d\d:\d\d:\d\d"
     model = rf"m1\s*│\s*result\s*│\s*│\s*{at}\s*│\s*asks pay\(\{{\"amount\":120\}}\) \[400\+30"
@@ -345,10 +345,10 @@ async def test_runs_shows_lease_holder_ledger_and_filters(tmp_path: Path) -> Non
         rf"waiting\s*│\s*suspended\s*│\s*2\s*│[^│]*│\s*{lease.owner[:8]} \(\d+s left\)", table
     )
     assert re.search(
-        r"unsure\s*│\s*uncertain\s*│\s*3\s*│[^│]*│\s*│\s*1\s*│\s*400/30\s*│\s*1\s*│\s*400/30",
+        r"unsure\s*│\s*uncertain\s*│\s*2\s*│[^│]*│\s*│\s*1\s*│\s*400/30\s*│\s*1\s*│\s*400/30",
         table,
     )
-    assert re.search(r"closed\s*│\s*closed\s*│\s*7\s*│[^│]*│\s*│\s*2\s*│\s*850/35\s*│", table)
+    assert re.search(r"closed\s*│\s*closed\s*│\s*3\s*│[^│]*│\s*│\s*2\s*│\s*850/35\s*│", table)
     listed = json.loads(
         cli("runs", "--json", "--status", "uncertain", "--status", "closed", cwd=tmp_path).stdout
     )
@@ -359,6 +359,26 @@ async def test_runs_shows_lease_holder_ledger_and_filters(tmp_path: Path) -> Non
     held = json.loads(cli("runs", "--json", "--status", "suspended", cwd=tmp_path).stdout)
     assert held[0]["lease_owner"] == lease.owner
     assert "cost" not in table
+
+
+async def test_runs_counts_steps_not_records(tmp_path: Path) -> None:
+    """`runs` shows a run's steps (model steps and tool calls), not its journal records;
+    --json has steps beside the records (events), model calls and tool steps."""
+    db = tmp_path / "runs.db"
+    await suspended(db, "paid")
+    assert cli("approve", "paid", "m1.t1", "--by", "ana", cwd=tmp_path).returncode == 0
+    await drive(db, "paid")
+    await uncertain(db, "unsure")
+    table = cli("runs", cwd=tmp_path).stdout
+    assert re.search(r"┃\s*run\s*┃\s*status\s*┃\s*steps\s*┃\s*last", table)
+    assert "records" not in table
+    assert re.search(r"paid\s*│\s*closed\s*│\s*3\s*│", table)
+    assert re.search(r"unsure\s*│\s*uncertain\s*│\s*2\s*│", table)
+    listed = json.loads(cli("runs", "--json", cwd=tmp_path).stdout)
+    counted = [(r["steps"], r["model_calls"], r["tool_steps"], r["events"]) for r in listed]
+    assert counted == [(3, 2, 1, 7), (2, 1, 1, 3)]
+    shown = cli("show", "paid", cwd=tmp_path).stdout
+    assert "run 'paid' · closed · 3 steps · 7 records · last activity" in shown
 
 
 async def test_runs_shows_cost_when_prices_were_known(tmp_path: Path) -> None:

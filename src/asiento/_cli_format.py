@@ -342,7 +342,7 @@ def money(amount: float) -> str:
 
 
 def run_json(info: RunInfo) -> dict[str, Any]:
-    return {**dataclasses.asdict(info), "status": info.status.value}
+    return {**dataclasses.asdict(info), "status": info.status.value, "steps": info.steps}
 
 
 def event_json(event: StepEvent) -> dict[str, Any]:
@@ -394,7 +394,7 @@ def status_text(status: RunStatus | str) -> Text:
 RUN_COLUMNS: tuple[tuple[str, Callable[[RunInfo], RenderableType], bool], ...] = (
     # heading, cell, shown only when some run was priced
     ("status", lambda i: status_text(i.status), False),
-    ("records", lambda i: str(i.events), False),
+    ("steps", lambda i: str(i.steps), False),
     ("last activity", lambda i: recent(i.updated_at), False),
     ("lease", lease_text, False),
     ("calls", lambda i: str(i.model_calls), False),
@@ -434,7 +434,8 @@ def run_view(info: RunInfo, events: Sequence[StepEvent], *, hint: str) -> list[R
 def _header(info: RunInfo) -> Text:
     text = Text(f"run {info.run_id!r} · ")
     text.append_text(status_text(info.status))
-    text.append(f" · {info.events} records · last activity {when(info.updated_at)}\n")
+    text.append(f" · {info.steps} steps · {info.events} records")
+    text.append(f" · last activity {when(info.updated_at)}\n")
     text.append(f"lease: {lease_text(info) or 'free'} (fence {info.fence})\n")
     cost = f", cost {money(info.cost)}" if info.cost else ""
     saved = f", {money(info.saved_cost)}" if info.saved_cost else ""

@@ -142,12 +142,14 @@ def demo_pass(store: Path, counts: Path, number: int) -> None:
 )
 @json_option
 def runs(store: str, statuses: tuple[str, ...], as_json: bool) -> None:
-    """List the runs, oldest first, with their lease and what they cost.
+    """List the runs, oldest first, with their steps, lease and what they cost.
 
-    Per run: status, journal records, last activity, the lease holder (while a
-    session drives it), model calls, tokens and cost paid, and "replayed" /
-    "saved": the model calls (and their tokens and cost) that resumed passes
-    took from the journal instead of paying for them again.
+    Per run: status, steps (model steps plus the tool calls the model asked for;
+    a retry is not a new step), last activity, the lease holder (while a session
+    drives it), model calls, tokens and cost paid, and "replayed" / "saved": the
+    model calls (and their tokens and cost) that resumed passes took from the
+    journal instead of paying for them again. --json also gives the journal
+    records ("events").
     """
 
     async def job(journal: Checkpointer) -> list[RunInfo]:

@@ -62,7 +62,12 @@ class StepEvent:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunInfo:
-    """One run in a listing: its status, its lease, and what its model calls cost."""
+    """One run in a listing: its status, its steps, its lease, and what its model calls cost.
+
+    ``events`` counts the run's journal records; ``tool_steps`` the tool calls the
+    model asked for (one ``intent`` record each; a retry of a step is another
+    attempt of the same step, not a new one).
+    """
 
     run_id: str
     status: RunStatus
@@ -84,6 +89,12 @@ class RunInfo:
     reason: str | None = None
     cost: float = 0.0
     saved_cost: float = 0.0
+    tool_steps: int = 0
+
+    @property
+    def steps(self) -> int:
+        """The run's steps: its model steps (one per model call paid) and its tool steps."""
+        return self.model_calls + self.tool_steps
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

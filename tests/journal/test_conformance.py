@@ -19,9 +19,12 @@ from typing import Any
 import pytest
 
 from asiento import (
+    Agent,
+    ApprovalStep,
     Checkpointer,
     Decision,
     DuplicateRecord,
+    FinalStep,
     Holder,
     Lease,
     LeaseLost,
@@ -30,13 +33,20 @@ from asiento import (
     RunLocked,
     RunStatus,
     Savings,
+    Session,
     SqliteCheckpointer,
+    Step,
     StepEvent,
+    ToolCall,
     UsageError,
     approve,
+    require_approval_for,
+    tool,
 )
 from asiento.journal.postgres import PostgresCheckpointer
 from asiento.lease import hostname, process_start
+from asiento.model import ModelResponse
+from asiento.testing import ScriptedGateway
 
 Factory = Callable[[pytest.FixtureRequest], "Checkpointer | Awaitable[Checkpointer]"]
 
@@ -442,6 +452,82 @@ async def test_ledger_counts_paid_model_calls(store: Checkpointer) -> None:
     await store.append(ev("m2", response={"usage": [50, 3]}))
     info = await info_of(store)
     assert (info.model_calls, info.input_tokens, info.output_tokens) == (2, 150, 10)
+
+
+# -- steps in the run index -------------------------------------------------------------------
+
+
+async def test_run_index_counts_the_steps_of_an_agent_run(store: Checkpointer) -> None:
+    """2 model steps and 3 tool calls (one approved) are 5 steps; the approval, the
+    submitted markers and the closing record are records, not steps."""
+    paid: list[int] = []
+
+    @tool(idempotent=True)
+    def look(name: str) -> str:
+        """Look a supplier up."""
+        return f"{name}: ok"
+
+    @tool
+    def pay(amount: int) -> str:
+        """Pay an amount."""
+        paid.append(amount)
+        return "tx-1"
+
+    calls = [ToolCall(name="look", arguments={"name": n}, id=n) for n in ("acme", "zeta")]
+    script = [
+        ModelResponse(tool_calls=[*calls, ToolCall(name="pay", arguments={"amount": 9}, id="p")]),
+        ModelResponse(text="paid"),
+    ]
+    agent = Agent(tools=[look, pay], policy=require_approval_for("pay"))
+
+    async def one_pass() -> list[Step]:
+        session = Session("run-1", ScriptedGateway(script), store)
+        return [s async for s in agent.run("pay acme", session=session)]
+
+    assert isinstance((await one_pass())[-1], ApprovalStep)
+    info = await info_of(store)
+    assert (info.steps, info.model_calls, info.tool_steps, info.events) == (4, 1, 3, 8)
+    await approve(store, "run-1", "m1.t3", by="ana")
+    assert isinstance((await one_pass())[-1], FinalStep)
+    assert isinstance((await one_pass())[-1], FinalStep)  # closed: answered from the journal
+    info = await info_of(store)
+    assert (info.steps, info.model_calls, info.tool_steps, info.events) == (5, 2, 3, 13)
+    assert (info.status, paid) == (RunStatus.CLOSED, [9])
+
+
+async def test_tool_steps_count_intents_not_attempts(store: Checkpointer) -> None:
+    """A tool step is one intent record: a retry (m1.t1/2), a denial's result, a model
+    result without a response and the closing record add no step."""
+    await store.append(
+        ev("m1", response={"usage": [10, 2]}),
+        ev("m1.t1", Phase.INTENT, decision=Decision.ALLOW),
+        ev("m1.t1", Phase.SUBMITTED),
+    )
+    await store.append(ev("m1.t1", Phase.RESOLUTION, happened=False))
+    await store.append(ev("m1.t1/2", Phase.SUBMITTED))
+    await store.append(
+        ev("m1.t1/2", status="ok"),
+        ev("m1.t2", Phase.INTENT, decision=Decision.DENY),
+        ev("m1.t2", status="denied"),
+    )
+    await store.append(ev("m2", note="no response"), ev("final", step="m2", text="done"))
+    info = await info_of(store)
+    assert (info.steps, info.model_calls, info.tool_steps, info.events) == (3, 1, 2, 10)
+    await store.append(ev("m3", response={"usage": [1, 1]}), ev("m3.t1", Phase.INTENT))
+    assert (await info_of(store)).steps == 5
+
+
+async def test_refused_batches_add_no_steps(store: Checkpointer) -> None:
+    """A batch refused whole (a duplicate record, a lost lease) adds no step to the index."""
+    await store.append(ev("m1", response={"usage": [1, 1]}), ev("m1.t1", Phase.INTENT))
+    with pytest.raises(DuplicateRecord):
+        await store.append(ev("m1.t2", Phase.INTENT), ev("m1.t1", Phase.INTENT))
+    stale = await store.acquire("run-1", holder("a"), ttl=300)
+    await store.acquire("run-1", holder("a"), ttl=300)
+    with pytest.raises(LeaseLost):
+        await store.append(ev("m1.t3", Phase.INTENT), lease=stale)
+    info = await info_of(store)
+    assert (info.steps, info.tool_steps, info.events) == (2, 1, 2)
 
 
 # -- submitted runs: claims and parking ------------------------------------------------------

@@ -82,6 +82,25 @@ async def test_the_runs_page_lists_runs_and_what_waits_for_a_person(tmp_path: Pa
     assert re.findall(r'<td><a href="/runs/([^"]+)">', only) == ["refund-17"]
 
 
+async def test_the_pages_count_steps_not_records(tmp_path: Path) -> None:
+    """`/` lists each run's steps (model steps and tool calls), not its records; `/runs/ID`
+    shows both."""
+    db = tmp_path / "runs.db"
+    await uncertain(db, "refund-17")
+    await closed_with_effect(db, "fee-3")
+    with page(db) as client:
+        html = client.get("/").text
+        run = client.get("/runs/fee-3").text
+    assert "<th>steps</th>" in html
+    assert "<th>records</th>" not in html
+    cells = re.findall(
+        r'<a href="/runs/([^"]+)">.*?badge \w+.*?<td class="num">(\d+)</td>', html, re.S
+    )
+    assert cells == [("refund-17", "2"), ("fee-3", "3")]
+    assert "<dt>steps</dt><dd>3 (2 model, 1 tool)</dd>" in run
+    assert "<dt>records</dt><dd>6</dd>" in run
+
+
 async def test_the_run_page_shows_timeline_effects_and_what_is_awaited(tmp_path: Path) -> None:
     """`/runs/ID` shows each record step by step, the effect records and the awaited step."""
     db = tmp_path / "runs.db"

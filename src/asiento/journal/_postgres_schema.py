@@ -71,6 +71,16 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         WHERE status = 'running' AND task IS NOT NULL
         """,
     ),
+    # 2: the tool steps of each run (one intent record each), counted from the journal.
+    (
+        "ALTER TABLE runs ADD COLUMN tool_steps bigint NOT NULL DEFAULT 0",
+        """
+        UPDATE runs SET tool_steps = counted.intents
+        FROM (SELECT run_id, count(*) AS intents FROM journal
+              WHERE phase = 'intent' GROUP BY run_id) AS counted
+        WHERE runs.run_id = counted.run_id
+        """,
+    ),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -93,14 +103,15 @@ _ATTEMPTS = """attempts = CASE WHEN %(status)s IN ('closed', 'suspended', 'uncer
 
 UPSERT_RUN = f"""
 INSERT INTO runs (run_id, status, events, created_at, updated_at,
-                  model_calls, input_tokens, output_tokens, cost)
+                  model_calls, input_tokens, output_tokens, cost, tool_steps)
 VALUES (%(run_id)s, coalesce(%(status)s, 'running'), %(added)s, {NOW}, {NOW},
-        %(calls)s, %(inp)s, %(out)s, %(cost)s)
+        %(calls)s, %(inp)s, %(out)s, %(cost)s, %(tools)s)
 ON CONFLICT (run_id) DO UPDATE SET
     status = coalesce(%(status)s, runs.status),
     events = runs.events + excluded.events,
     updated_at = excluded.updated_at,
     model_calls = runs.model_calls + excluded.model_calls,
+    tool_steps = runs.tool_steps + excluded.tool_steps,
     input_tokens = runs.input_tokens + excluded.input_tokens,
     output_tokens = runs.output_tokens + excluded.output_tokens,
     cost = runs.cost + excluded.cost,
@@ -114,6 +125,7 @@ UPDATE runs SET
     events = events + %(added)s,
     updated_at = {NOW},
     model_calls = model_calls + %(calls)s,
+    tool_steps = tool_steps + %(tools)s,
     input_tokens = input_tokens + %(inp)s,
     output_tokens = output_tokens + %(out)s,
     cost = cost + %(cost)s,
@@ -188,7 +200,7 @@ COUNT_CLAIM = "UPDATE runs SET attempts = attempts + 1 WHERE run_id = %s"
 SELECT_RUNS = """
 SELECT run_id, status, events, created_at, updated_at, lease_owner, lease_expires, fence,
     model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
-    saved_output_tokens, task, agent, attempts, reason, cost, saved_cost
+    saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps
 FROM runs
 """
 

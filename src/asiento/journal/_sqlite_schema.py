@@ -45,6 +45,14 @@ MIGRATIONS: tuple[str, ...] = (
     );
     CREATE INDEX runs_by_status ON runs (status);
     """,
+    # 2: the tool steps of each run (one intent record each), counted from the journal.
+    """
+    ALTER TABLE runs ADD COLUMN tool_steps INTEGER NOT NULL DEFAULT 0;
+    UPDATE runs SET tool_steps = (
+        SELECT count(*) FROM journal
+        WHERE journal.run_id = runs.run_id AND journal.phase = 'intent'
+    );
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -156,6 +156,7 @@ _RUN_FIELDS = (
     "reason",
     "cost",
     "saved_cost",
+    "tool_steps",
 )
 
 STABLE = (RunStatus.CLOSED, RunStatus.SUSPENDED, RunStatus.UNCERTAIN)
@@ -185,6 +186,21 @@ def usage_of(events: Sequence[StepEvent]) -> dict[str, Any]:
             inp, out = inp + int(usage[0]), out + int(usage[1])
             cost += float(event.payload.get("cost") or 0.0)
     return {"calls": calls, "inp": inp, "out": out, "cost": cost}
+
+
+def tool_steps_of(events: Sequence[StepEvent]) -> int:
+    """The tool steps a batch starts: one ``intent`` per tool call the model asked for.
+
+    A retry (``m1.t1/2``) writes no intent of its own: it is another attempt of
+    the same step (the journal holds its records under the attempt's id), not
+    another step.
+    """
+    return sum(1 for event in events if event.phase == Phase.INTENT)
+
+
+def counts_of(events: Sequence[StepEvent]) -> dict[str, Any]:
+    """What one append adds to the run index: ``usage_of`` and the ``tools`` steps started."""
+    return usage_of(events) | {"tools": tool_steps_of(events)}
 
 
 def encode_batch(events: Sequence[StepEvent]) -> tuple[str, list[Row]]:

@@ -11,13 +11,13 @@ from ..lease import Holder
 from .base import (
     STABLE,
     check_id,
+    counts_of,
     decode_row,
     encode_batch,
     lease_lost,
     may_take,
     parked_reason,
     run_locked,
-    usage_of,
 )
 
 _Row = tuple[str, str, str | None, str, float]
@@ -52,7 +52,7 @@ class MemoryCheckpointer:
         for _, step_id, phase, decision, payload, created in rows:
             self._keys.add((run_id, step_id, phase))
             self._rows.setdefault(run_id, []).append((step_id, phase, decision, payload, created))
-        usage = usage_of(events)
+        usage = counts_of(events)
         info = self._info(run_id)
         self._runs[run_id] = dataclasses.replace(
             info,
@@ -64,6 +64,7 @@ class MemoryCheckpointer:
             input_tokens=info.input_tokens + usage["inp"],
             output_tokens=info.output_tokens + usage["out"],
             cost=info.cost + usage["cost"],
+            tool_steps=info.tool_steps + usage["tools"],
         )
 
     def _info(self, run_id: str) -> RunInfo:

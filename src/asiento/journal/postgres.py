@@ -48,6 +48,7 @@ from . import _postgres_schema as sql
 from .base import (
     Row,
     check_id,
+    counts_of,
     decode_row,
     encode_batch,
     lease_lost,
@@ -55,7 +56,6 @@ from .base import (
     parked_reason,
     run_info,
     run_locked,
-    usage_of,
 )
 
 T = TypeVar("T")
@@ -179,10 +179,9 @@ class PostgresCheckpointer:
         self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
     ) -> None:
         run_id, rows = encode_batch(events)
-        usage = usage_of(events)
         state = None if status is None else RunStatus(status).value
         params = {"run_id": run_id, "status": state, "added": len(rows)}
-        params |= usage
+        params |= counts_of(events)
         work = partial(self._append_rows, rows, params, lease)
         await self._exactly_once(work, partial(self._recorded, rows[0]))
 

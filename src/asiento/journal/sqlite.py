@@ -32,6 +32,7 @@ from ._sqlite_capi import keep_wal_on_close, os_errno
 from ._sqlite_schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION
 from .base import (
     check_id,
+    counts_of,
     decode_row,
     encode_batch,
     lease_lost,
@@ -39,7 +40,6 @@ from .base import (
     parked_reason,
     run_info,
     run_locked,
-    usage_of,
 )
 
 Durability = Literal["full", "process"]
@@ -57,13 +57,15 @@ _MAX_PARKED_PER_CLAIM = 100
 
 _UPSERT_RUN = """
 INSERT INTO runs (run_id, status, events, created_at, updated_at,
-                  model_calls, input_tokens, output_tokens, cost)
-VALUES (:run_id, coalesce(:status, 'running'), :added, :now, :now, :calls, :inp, :out, :cost)
+                  model_calls, input_tokens, output_tokens, cost, tool_steps)
+VALUES (:run_id, coalesce(:status, 'running'), :added, :now, :now, :calls, :inp, :out, :cost,
+        :tools)
 ON CONFLICT (run_id) DO UPDATE SET
     status = coalesce(:status, runs.status),
     events = runs.events + :added,
     updated_at = :now,
     model_calls = runs.model_calls + :calls,
+    tool_steps = runs.tool_steps + :tools,
     input_tokens = runs.input_tokens + :inp,
     output_tokens = runs.output_tokens + :out,
     cost = runs.cost + :cost,
@@ -77,6 +79,7 @@ UPDATE runs SET
     events = events + :added,
     updated_at = :now,
     model_calls = model_calls + :calls,
+    tool_steps = tool_steps + :tools,
     input_tokens = input_tokens + :inp,
     output_tokens = output_tokens + :out,
     cost = cost + :cost,
@@ -92,7 +95,7 @@ WHERE run_id = :run_id AND fence = :token AND lease_owner = :owner AND lease_exp
 
 _RUN_COLUMNS = """run_id, status, events, created_at, updated_at, lease_owner, lease_expires,
 fence, model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
-saved_output_tokens, task, agent, attempts, reason, cost, saved_cost"""
+saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps"""
 
 _CLAIMABLE = """
 SELECT run_id, task, agent, attempts, reason, fence FROM runs
@@ -133,7 +136,7 @@ class SqliteCheckpointer:
     ) -> None:
         run_id, rows = encode_batch(events)
         params = {"run_id": run_id, "status": status, "added": len(rows), "now": time.time()}
-        params |= usage_of(events)
+        params |= counts_of(events)
         with self._errors(), self._transaction():
             if lease is None:
                 self._db.execute(_UPSERT_RUN, params)

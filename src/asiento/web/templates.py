@@ -158,14 +158,14 @@ RUNS = """{% extends "base.html" %}{% from "card.html" import card %}
 {% else %}<p class="muted">Nothing waits for a person.</p>{% endif %}
 <h2>{{ status or "All" }} runs</h2>
 <table class="runs">
-<thead><tr><th>run</th><th>status</th><th>records</th><th>last activity</th><th>lease</th>
+<thead><tr><th>run</th><th>status</th><th>steps</th><th>last activity</th><th>lease</th>
 <th>calls</th><th>tokens in/out</th><th>cost</th><th>replayed</th><th>saved in/out</th>
 <th>saved cost</th></tr></thead>
 <tbody>
 {% for r in runs %}<tr>
   <td><a href="{{ r.run_id|runurl }}">{{ r.run_id }}</a></td>
   <td><span class="badge {{ r.status.value }}">{{ r.status.value }}</span></td>
-  <td class="num">{{ r.events }}</td><td class="at">{{ r.updated_at|when }}</td>
+  <td class="num">{{ r.steps }}</td><td class="at">{{ r.updated_at|when }}</td>
   <td class="mono">{{ r|lease }}</td>
   <td class="num">{{ r.model_calls }}</td>
   <td class="num">{{ r.input_tokens }}/{{ r.output_tokens }}</td>
@@ -183,6 +183,7 @@ RUN = """{% extends "base.html" %}{% from "card.html" import card %}
 <h1>Run <code>{{ run.run_id }}</code>
   <span class="badge {{ run.status.value }}">{{ run.status.value }}</span></h1>
 <dl class="facts">
+  <dt>steps</dt><dd>{{ run.steps }} ({{ run.model_calls }} model, {{ run.tool_steps }} tool)</dd>
   <dt>records</dt><dd>{{ run.events }}</dd>
   <dt>started</dt><dd>{{ run.created_at|when }}</dd>
   <dt>last activity</dt><dd>{{ run.updated_at|when }}</dd>
