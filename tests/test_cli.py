@@ -370,7 +370,7 @@ async def test_runs_counts_steps_not_records(tmp_path: Path) -> None:
     await drive(db, "paid")
     await uncertain(db, "unsure")
     table = cli("runs", cwd=tmp_path).stdout
-    assert re.search(r"┃\s*run\s*┃\s*status\s*┃\s*steps\s*┃\s*last", table)
+    assert re.search(r"┃\s*run\s*┃\s*status\s*┃\s*steps\s*┃\s*activity", table)
     assert "records" not in table
     assert re.search(r"paid\s*│\s*closed\s*│\s*3\s*│", table)
     assert re.search(r"unsure\s*│\s*uncertain\s*│\s*2\s*│", table)
@@ -388,6 +388,24 @@ async def test_runs_shows_cost_when_prices_were_known(tmp_path: Path) -> None:
     table = cli("runs", cwd=tmp_path).stdout
     paid = r"412/38\s*│\s*0\.0018\s*│"  # 412 x 3 + 38 x 15 per million tokens
     assert re.search(rf"unsure\s*│.*{paid}\s*1\s*│\s*412/38\s*│\s*0\.0018", table)
+
+
+async def test_runs_in_a_narrow_terminal_leaves_columns_out_rather_than_cutting_cells(
+    tmp_path: Path,
+) -> None:
+    """At 80 columns: statuses and times whole, no "…"; the least needed columns left out."""
+    db = tmp_path / "runs.db"
+    await priced_uncertain(db, "unsure")
+    await suspended(db, "a-rather-long-run-id-for-an-invoice-0001")
+    table = cli("runs", cwd=tmp_path, env={"COLUMNS": "80"}).stdout
+    assert max(len(line) for line in table.splitlines()) <= 80, table
+    assert "…" not in table, table
+    assert re.search(r"unsure\s*│\s*uncertain\s*│\s*2\s*│\s*\d\d:\d\d:\d\d\s*│", table), table
+    assert "suspended" in table
+    assert "saved" not in table, "the least needed columns go first"
+    wide = cli("runs", cwd=tmp_path, env={"COLUMNS": "200"}).stdout
+    assert "saved" in wide
+    assert "0.0018" in wide
 
 
 async def test_show_lists_effect_records(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rich.console import RenderableType
+from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -406,18 +406,48 @@ RUN_COLUMNS: tuple[tuple[str, Callable[[RunInfo], RenderableType], bool], ...] =
 )
 
 
-def runs_table(infos: Sequence[RunInfo], *, title: str) -> Table:
-    """``asiento runs``: one row per run (the cost columns once some run was priced)."""
-    table = Table(title=title)
-    longest = max((len(info.run_id) for info in infos), default=3)
-    table.add_column("run", no_wrap=True, min_width=min(longest, 40))
+def runs_table(infos: Sequence[RunInfo], *, title: str, width: int | None = None) -> Table:
+    """``asiento runs``: one row per run (the cost columns once some run was priced).
+
+    In a terminal narrower than the table, the columns a person needs least (saved,
+    replayed, cost, tokens) are left out, from the last, rather than every cell
+    being cut short; ``--json`` always has them all.
+    """
     priced = any(info.cost or info.saved_cost for info in infos)
     columns = [(h, cell) for h, cell, needs_price in RUN_COLUMNS if priced or not needs_price]
-    for heading, _ in columns:
-        table.add_column(heading)
+    table = _runs_table(infos, title, columns)
+    while width is not None and _width(table) > width and columns[-1][0] not in _KEPT:
+        columns.pop()
+        table = _runs_table(infos, title, columns)
+    return table
+
+
+# The columns ``runs_table`` keeps however narrow the terminal.
+_KEPT = frozenset({"status", "steps", "last activity", "lease", "calls"})
+
+
+def _runs_table(
+    infos: Sequence[RunInfo], title: str, columns: Sequence[tuple[str, Callable[[RunInfo], Any]]]
+) -> Table:
+    table = Table(title=title)
+    longest = max((len(info.run_id) for info in infos), default=3)
+    table.add_column("run", overflow="fold", min_width=min(longest, 16))
+    for heading, _ in columns:  # a long lease holder folds; statuses, times, figures stay whole
+        whole = heading != "lease"
+        table.add_column(heading.replace(" ", "\n", 1), no_wrap=whole, min_width=_MIN.get(heading))
     for info in infos:
         table.add_row(info.run_id, *(cell(info) for _, cell in columns))
     return table
+
+
+# Widths below which a column's cells would be cut: the longest status, a time.
+_MIN = {"status": len("suspended"), "last activity": len("00:00:00"), "lease": 8}
+
+
+def _width(table: Table) -> int:
+    """The width ``table`` takes when nothing in it is cut."""
+    measuring = Console(width=10_000)
+    return measuring.measure(table).maximum
 
 
 def run_view(info: RunInfo, events: Sequence[StepEvent], *, hint: str) -> list[RenderableType]:

@@ -159,7 +159,8 @@ def runs(store: str, statuses: tuple[str, ...], as_json: bool) -> None:
     if as_json:
         print_json([fmt.run_json(info) for info in infos])
         return
-    console().print(fmt.runs_table(infos, title=fmt.shown_url(store)))
+    out = console()
+    out.print(fmt.runs_table(infos, title=fmt.shown_url(store), width=out.width))
 
 
 @main.command()
