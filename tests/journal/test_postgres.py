@@ -430,6 +430,28 @@ async def test_commit_that_landed_unseen_is_read_back(pg_dsn: str) -> None:
         await cutter.close()
 
 
+async def test_claim_whose_commit_was_cut_off_is_the_claim_returned(pg_dsn: str) -> None:
+    """A claim that landed unseen is returned as is; no second run is leased and stranded."""
+    cutter = CommitCutter(host_and_port(pg_dsn))
+    port = await cutter.start()
+    proxied = make_conninfo(pg_dsn, host="127.0.0.1", port=port, sslmode="disable")
+    holder = Holder.here()
+    try:
+        async with PostgresCheckpointer(proxied, max_size=2) as store:
+            for run_id in ("first", "second"):
+                await store.submit(run_id, f"task {run_id}")
+            cutter.armed = True
+            claim = await asyncio.wait_for(store.claim(holder, ttl=60), 20)
+            assert cutter.cut == 1
+            assert claim is not None
+            leased = {r.run_id: (r.lease_owner, r.fence, r.attempts) for r in await store.runs()}
+            assert leased == {"first": (holder.owner, 1, 1), "second": (None, 0, 0)}
+            assert (claim.lease.run_id, claim.lease.token, claim.attempts) == ("first", 1, 1)
+            await store.append(ev("m1", run_id="first"), lease=claim.lease)  # the lease works
+    finally:
+        await cutter.close()
+
+
 # -- leases between processes ---------------------------------------------------------------
 
 

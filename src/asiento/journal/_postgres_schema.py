@@ -193,6 +193,16 @@ ORDER BY updated_at, run_id COLLATE "C" LIMIT 1
 FOR UPDATE SKIP LOCKED
 """
 
+# A run this holder already claimed: a claim whose COMMIT was cut off may have landed.
+HELD_BY = f"""
+SELECT run_id, task, agent, attempts, fence, {NOW} FROM runs
+WHERE lease_owner = %s AND lease_expires >= {NOW} AND status = 'running' AND task IS NOT NULL
+LIMIT 1
+FOR UPDATE
+"""
+
+EXTEND_LEASE = "UPDATE runs SET lease_expires = %s, lease_ttl = %s WHERE run_id = %s AND fence = %s"
+
 PARK = f"UPDATE runs SET status = 'parked', reason = %s, updated_at = {NOW} WHERE run_id = %s"
 
 COUNT_CLAIM = "UPDATE runs SET attempts = attempts + 1 WHERE run_id = %s"

@@ -297,7 +297,9 @@ class PostgresCheckpointer:
         await self._exactly_once(insert, landed)
 
     async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
-        async def take(conn: Conn) -> Claim | None:
+        async def take(conn: Conn, *, unsure: bool) -> Claim | None:
+            if unsure and (mine := await _held_by(conn, holder, ttl)) is not None:
+                return mine  # the claim whose COMMIT was cut off had landed
             for _ in range(_MAX_PARKED_PER_CLAIM):
                 cur = await conn.execute(sql.CLAIMABLE)
                 row = await cur.fetchone()
@@ -314,7 +316,18 @@ class PostgresCheckpointer:
                 return Claim(lease=lease, task=task, agent=agent, attempts=attempts + 1)
             return None
 
-        return await self._idempotent(take)
+        # Not _idempotent: redone blindly after a lost COMMIT, a claim would lease a second
+        # run and strand the first one until its lease expired.
+        retry = _Retry(self._retry_for)
+        unsure = False
+        while True:
+            try:
+                return await self._transact_once(partial(take, unsure=unsure))
+            except _CommitUnknown as exc:
+                unsure = True
+                await retry.pause(self._gave_up("claiming a run", exc))
+            except _ConnectionLost as exc:
+                await retry.pause(self._gave_up("claiming a run", exc))
 
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
         if status is None:
@@ -505,6 +518,18 @@ async def _check_lease(conn: Conn, lease: Lease) -> float:
     if row is None:
         raise lease_lost(lease)
     return float(row[0])
+
+
+async def _held_by(conn: Conn, holder: Holder, ttl: float) -> Claim | None:
+    """The run ``holder`` holds a live lease on, its lease extended; None if there is none."""
+    cur = await conn.execute(sql.HELD_BY, (holder.owner,))
+    row = await cur.fetchone()
+    if row is None:
+        return None
+    run_id, task, agent, attempts, fence, now = row
+    await conn.execute(sql.EXTEND_LEASE, (now + ttl, ttl, run_id, fence))
+    lease = Lease(run_id=run_id, token=fence, owner=holder.owner, expires=now + ttl)
+    return Claim(lease=lease, task=task, agent=agent, attempts=attempts)
 
 
 async def _one(conn: Conn, query: str, args: Sequence[Any] = ()) -> TupleRow:
