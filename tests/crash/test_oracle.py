@@ -125,3 +125,32 @@ def test_checker_flags_an_uncertain_effect_without_cause(clean_log: RunLog) -> N
     ops[0] = dataclasses.replace(ops[0], rc=3, out={"outcome": "uncertain", "step": "m1.t2"})
     found = violations(dataclasses.replace(clean_log, ops=ops))
     assert any("with no uncertain step in the journal" in v for v in found), found
+
+
+def _unseen_submit(log: RunLog, *, killed_before: bool) -> RunLog:
+    """The stopping pass's snapshot lacks m1.t2's submitted record, as when the killed
+    writer's commit was hidden from the oracle's snapshot and recovered by the pass."""
+    stopped = next(i for i, op in enumerate(log.ops) if op.rc == 3)
+    ops = list(log.ops)
+    before = {step: dict(phases) for step, phases in ops[stopped].before.items()}
+    del before["m1.t2"]["submitted"]
+    ops[stopped] = dataclasses.replace(ops[stopped], before=before)
+    if not killed_before:
+        ops[:stopped] = [dataclasses.replace(op, rc=0) for op in ops[:stopped]]
+    return dataclasses.replace(log, ops=ops)
+
+
+def test_checker_accepts_a_commit_of_a_killed_writer_that_surfaced_late(
+    uncertain_log: RunLog,
+) -> None:
+    """A killed op's commit missing from the snapshot but created before the pass started
+    justifies the pass's UncertainEffect (tests/crash/test_wal_recovery.py shows how)."""
+    assert violations(_unseen_submit(uncertain_log, killed_before=True)) == []
+
+
+def test_checker_does_not_excuse_late_records_without_a_killed_writer(
+    uncertain_log: RunLog,
+) -> None:
+    """Without an earlier killed op nothing can surface late: the same history is flagged."""
+    found = violations(_unseen_submit(uncertain_log, killed_before=False))
+    assert any("with no uncertain step in the journal" in v for v in found), found

@@ -53,6 +53,13 @@ def journal(*, send_done: bool = True, closed: bool = True) -> dict[str, dict[st
     return j
 
 
+def send_done_later() -> dict[str, dict[str, Any]]:
+    """The closed journal, send's result written by a pass that started at 100.0."""
+    j = journal()
+    j["m1.t2"]["result"] = rec({"status": "ok"}, at=200.0)
+    return j
+
+
 def call(step: str, tool: str, attempt: str | None = None) -> dict[str, Any]:
     return {"run": RUN, "step": step, "attempt": attempt or step, "tool": tool, "kind": "call"}
 
@@ -138,12 +145,41 @@ def test_uncertain_if_and_only_if_an_unknown_step_nothing_settles() -> None:
     asked = [key("m1", FP1)]
     ok = history(ops, final=open_send, final_status="uncertain", models=asked)
     assert check_run(ok, TOOLS) == []
-    went_on = history([op({}, None), op(open_send, CLOSED, at=(2, 1))])
+    written_by_the_pass = journal()
+    written_by_the_pass["m1.t2"]["result"] = rec({"status": "ok"}, at=200.0)
+    went_on = history([op({}, None), op(open_send, CLOSED, at=(2, 1))], final=written_by_the_pass)
     assert "uncertain_iff" in names(check_run(went_on, TOOLS))
     wrong = history([op({}, None), op(open_send, stopped | {"step": "m1.t1"}, at=(2, 1))])
     assert "uncertain_iff" in names(check_run(wrong, TOOLS))
     groundless = history([op(journal(), stopped, at=(2, 2))])
     assert "uncertain_iff" in names(check_run(groundless, TOOLS))
+
+
+def test_a_killed_writers_commit_that_surfaced_late_is_allowed_for() -> None:
+    """A record created before the pass started, missing from its snapshot after a killed
+    op (SQLite recovered the killed writer's commit), justifies the pass's UncertainEffect;
+    without a killed op before it, the same history is a violation."""
+    open_send = journal(send_done=False, closed=False)
+    unseen = {step: dict(phases) for step, phases in open_send.items()}
+    del unseen["m1.t2"]["submitted"]
+    stopped = {"outcome": "uncertain", "step": "m1.t2"}
+    asked = [key("m1", FP1)]
+    late = history(
+        [op({}, None), op(unseen, stopped, at=(1, 1))],
+        final=open_send,
+        final_status="uncertain",
+        effects=[call("m1.t1", "lookup")],
+        models=asked,
+    )
+    assert check_run(late, TOOLS) == []
+    no_killed_writer = history(
+        [op({}, CLOSED), op(unseen, stopped, at=(1, 1))],
+        final=open_send,
+        final_status="uncertain",
+        effects=[call("m1.t1", "lookup")],
+        models=asked,
+    )
+    assert "uncertain_iff" in names(check_run(no_killed_writer, TOOLS))
 
 
 def test_what_can_be_reconciled_is_not_uncertain() -> None:
@@ -160,7 +196,8 @@ def test_going_on_past_an_uncertain_step() -> None:
     """A pass that ran a tool while the journal said 'unknown' broke effect_once."""
     open_send = journal(send_done=False, closed=False)
     effects = [*CLEAN_EFFECTS, call("m1.t2", "send", "m1.t2/2")]
-    h = history([op({}, None), op(open_send, CLOSED, at=(2, 1))], effects=effects)
+    passes = [op({}, None), op(open_send, CLOSED, at=(2, 1))]
+    h = history(passes, effects=effects, final=send_done_later())
     assert any("went on past uncertain" in v.message for v in check_run(h, TOOLS))
 
 

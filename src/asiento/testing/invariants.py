@@ -242,12 +242,43 @@ def check_run(history: RunHistory, tools: Mapping[str, ToolInfo]) -> list[Violat
         )
         where = f"op #{index} {op.op} fault={op.fault}"
         checks = _op_checks(
-            history.run_id, op, effects=effects, models=models, tools=tools, status_after=after
+            history.run_id,
+            op,
+            effects=effects,
+            models=models,
+            tools=tools,
+            status_after=after,
+            late=surfaced_late(history, index),
         )
         for invariant, message in checks:
             found.append(_violation(history, invariant, f"{where}: {message}"))
     found += _run_end(history, tools)
     return found
+
+
+def surfaced_late(history: RunHistory, index: int) -> Journal | None:
+    """What operation ``index`` may have seen beyond the oracle's snapshot, or None.
+
+    SQLite: a writer SIGKILLed after writing its commit to the WAL, before publishing
+    it in the WAL index, leaves a commit that the connections sharing that index do
+    not see (the oracle's snapshot misses it), and that the next process to open the
+    file alone recovers (the operation may see it). Such a commit was never
+    acknowledged: nothing acted on it, and any later write overwrites it. Records
+    the journal holds after the operation that were created before it started, and
+    that its snapshot lacked, can only be such commits of an earlier killed operation.
+    """
+    if not any(op.killed for op in history.ops[:index]):
+        return None
+    op = history.ops[index]
+    after = history.ops[index + 1].before if index + 1 < len(history.ops) else history.final
+    merged = {step: dict(phases) for step, phases in op.before.items()}
+    found = False
+    for step, phases in after.items():
+        for phase, record in phases.items():
+            if record[2] < op.started and phase not in merged.get(step, {}):
+                merged.setdefault(step, {})[phase] = record
+                found = True
+    return merged if found else None
 
 
 def _violation(history: RunHistory, invariant: str, message: str) -> Violation:
@@ -294,6 +325,7 @@ def _op_checks(
     models: Sequence[Line],
     tools: Mapping[str, ToolInfo],
     status_after: str | None,
+    late: Journal | None = None,
 ) -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
     if op.op != "run" and (effects or models):
@@ -307,11 +339,15 @@ def _op_checks(
         if line["key"] in recorded:
             found.append(("model_once", f"model key {line['key']} requested again"))
     uncertain = uncertain_steps(op.before, tools, op.started)
-    if uncertain and (effects or models):
-        message = f"went on past uncertain {sorted(uncertain)}: {[*effects, *models]}"
+    # With a commit that surfaced late, a step counts as uncertain only if it is in
+    # both views, and an UncertainEffect is justified by either.
+    seen = uncertain if late is None else uncertain_steps(late, tools, op.started)
+    surely = uncertain & seen
+    if surely and (effects or models):
+        message = f"went on past uncertain {sorted(surely)}: {[*effects, *models]}"
         found.append(("effect_once", message))
     if op.op == "run" and not op.killed:
-        found += [("uncertain_iff", m) for m in _uncertain_iff(op, uncertain)]
+        found += [("uncertain_iff", m) for m in _uncertain_iff(op, surely, uncertain | seen)]
         answered = op.outcome == "closed" and (op.out or {}).get("replayed")
         if "final" in op.before and not answered and not _excused(op):
             found.append(("run_ends", f"a closed run was not only answered: {op.out}"))
@@ -319,14 +355,17 @@ def _op_checks(
     return found
 
 
-def _uncertain_iff(op: Op, uncertain: set[str]) -> list[str]:
-    """UncertainEffect exactly when the journal holds an unknown step nothing can settle."""
+def _uncertain_iff(op: Op, uncertain: set[str], justified: set[str]) -> list[str]:
+    """UncertainEffect exactly when the journal holds an unknown step nothing can settle.
+
+    ``justified`` may be larger than ``uncertain`` when a commit surfaced late.
+    """
     stopped = op.outcome == "uncertain"
     named = (op.out or {}).get("step")
-    if stopped and not uncertain:
+    if stopped and not justified:
         return [f"UncertainEffect for {named} with no uncertain step in the journal"]
-    if stopped and named not in uncertain:
-        return [f"UncertainEffect names {named}, the journal says {sorted(uncertain)}"]
+    if stopped and named not in justified:
+        return [f"UncertainEffect names {named}, the journal says {sorted(justified)}"]
     if uncertain and not stopped and not _excused(op):
         return [f"the journal had uncertain {sorted(uncertain)} but the pass ended {op.out}"]
     return []
