@@ -21,9 +21,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from asiento.testing import ENV_VAR
+from asiento.testing.invariants import with_older_records
 
 from .child import IDEMPOTENT, MODEL_STEPS, TOOL_STEPS, UNCERTAIN_EXIT
 
@@ -411,14 +412,7 @@ def surfaced_late(log: RunLog, index: int) -> Journal | None:
     op = log.ops[index]
     last = index + 1 == len(log.ops)
     after = read_journal(log.db, log.run_id) if last else log.ops[index + 1].before
-    merged = {step: dict(phases) for step, phases in op.before.items()}
-    found = False
-    for step, phases in after.items():
-        for phase, record in phases.items():
-            if record[2] < op.started and phase not in merged.get(step, {}):
-                merged.setdefault(step, {})[phase] = record
-                found = True
-    return merged if found else None
+    return cast(Journal | None, with_older_records(op.before, after, op.started))
 
 
 def _no_double_effect(log: RunLog, effects: list[dict[str, Any]]) -> list[str]:

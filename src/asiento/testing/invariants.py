@@ -271,11 +271,16 @@ def surfaced_late(history: RunHistory, index: int) -> Journal | None:
         return None
     op = history.ops[index]
     after = history.ops[index + 1].before if index + 1 < len(history.ops) else history.final
-    merged = {step: dict(phases) for step, phases in op.before.items()}
+    return with_older_records(op.before, after, op.started)
+
+
+def with_older_records(before: Journal, after: Journal, started: float) -> Journal | None:
+    """``before`` plus the records of ``after`` created before ``started``; None if none."""
+    merged = {step: dict(phases) for step, phases in before.items()}
     found = False
     for step, phases in after.items():
         for phase, record in phases.items():
-            if record[2] < op.started and phase not in merged.get(step, {}):
+            if record[2] < started and phase not in merged.get(step, {}):
                 merged.setdefault(step, {})[phase] = record
                 found = True
     return merged if found else None
