@@ -408,6 +408,22 @@ async def test_runs_in_a_narrow_terminal_leaves_columns_out_rather_than_cutting_
     assert "0.0018" in wide
 
 
+async def test_show_says_which_tokens_came_from_the_prompt_cache(tmp_path: Path) -> None:
+    """A model step that read and wrote the provider's cache says so in `show`."""
+    usage = Usage(
+        input_tokens=1200, output_tokens=30, cached_input_tokens=900, cache_write_tokens=200
+    )
+    gateway = ScriptedGateway([ModelResponse(text="done", usage=usage)])
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        async for _ in Agent().run("hi", session=Session("cached", gateway, store)):
+            pass
+    finally:
+        await store.close()
+    shown = cli("show", "cached", cwd=tmp_path).stdout
+    assert "[1200+30 tokens, 900 from cache, 200 written to cache]" in shown, shown
+
+
 async def test_show_lists_effect_records(tmp_path: Path) -> None:
     """`show` lists each effect's idem_key, status, remote_id and attempts (table and JSON)."""
     db = tmp_path / "runs.db"

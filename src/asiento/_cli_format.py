@@ -257,7 +257,10 @@ def _model_summary(response: Mapping[str, Any]) -> str:
     said = f"says {_text(response.get('text'))}" if response.get("text") else ""
     asks = f"asks {', '.join(calls)}" if calls else ""
     usage = response.get("usage")
-    tokens = f" [{usage[0]}+{usage[1]} tokens]" if usage else ""
+    read, written = response.get("cache", (0, 0))
+    cached = f", {read} from cache" if read else ""
+    cached += f", {written} written to cache" if written else ""
+    tokens = f" [{usage[0]}+{usage[1]} tokens{cached}]" if usage else ""
     return "; ".join(part for part in (said, asks) if part) + tokens
 
 
