@@ -19,7 +19,10 @@ child processes killed with real SIGKILLs and checks the invariants of
   random instants by the parent, and server restarts (immediate: a crash);
 - lease races: a driver stopped past its lease while another takes over;
 - fsync audit: under strace, every rename is followed by a directory fsync
-  before the journal commits the step's result.
+  before the journal commits the step's result;
+- in the ci and large tiers, the hostile-condition campaigns of tests/inputs run
+  by pytest (disk full, SQLITE_BUSY from another process, the Hypothesis state
+  machine; its large profile in the large tier), counted in a third table.
 
 Then the negative controls: each campaign must catch a deliberately planted
 bug (no write-ahead before the effect, no fencing check, no directory fsync).
@@ -46,6 +49,7 @@ from psycopg.conninfo import make_conninfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import hostile
 import pg_cluster
 
 from asiento.testing import sample
@@ -63,12 +67,13 @@ class Tier:
     restarts: int
     max_seconds: float
     control_kills: int  # the storm control's budget (0: the matrix alone catches it)
+    hypothesis: str | None  # the state machine's profile; None: skip tests/inputs
 
 
 TIERS = {
-    "smoke": Tier({"sqlite": 30, "postgresql": 30}, 1, 1, 60.0, 0),
-    "ci": Tier({"sqlite": 1000, "postgresql": 1000}, 10, 2, 600.0, 200),
-    "large": Tier({"sqlite": 20_000, "postgresql": 5_000}, 50, 10, 7200.0, 200),
+    "smoke": Tier({"sqlite": 30, "postgresql": 30}, 1, 1, 60.0, 0, None),
+    "ci": Tier({"sqlite": 1000, "postgresql": 1000}, 10, 2, 600.0, 200, "ci"),
+    "large": Tier({"sqlite": 20_000, "postgresql": 5_000}, 50, 10, 7200.0, 200, "large"),
 }
 
 
@@ -257,16 +262,33 @@ def main(argv: list[str]) -> int:
                 planted = controls(stores, root, tier, seed)
             finally:
                 stores.drop()
+            hostile_rows = []
+            if tier.hypothesis is not None:
+                hostile_rows = hostile.run(
+                    root, hypothesis_profile=tier.hypothesis, timeout=tier.max_seconds
+                )
     finally:
         if cluster is not None:
             cluster.stop()
     print()
     print(report_tables(reports, planted))
+    if hostile_rows:
+        print("\nhostile conditions and the state machine (tests/inputs, run by pytest)")
+        print(hostile_table(hostile_rows))
     print()
     print(details(reports, planted))
     print(f"\ntotal {time.monotonic() - started:.0f} s, seed {seed}")
     clean = all(not r.violations and not r.missed for r in reports)
+    clean = clean and all(not h.violations for h in hostile_rows)
     return 0 if clean and all(r.violations for _, r in planted) else 1
+
+
+def hostile_table(rows: list[hostile.Outcome]) -> str:
+    cells = [
+        (h.campaign.replace(" ", "_"), h.trials, h.violations, f"{h.seconds:.1f}", h.note)
+        for h in rows
+    ]
+    return table(cells, ("campaign", "trials", "violations", "seconds", "note"))
 
 
 if __name__ == "__main__":
