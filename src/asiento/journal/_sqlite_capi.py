@@ -22,6 +22,10 @@ import sqlite3
 import sys
 from functools import cache
 
+# CPython versions whose sqlite3 connection object starts with its sqlite3* handle
+# (read before any call; a handle read from another layout could crash the process).
+_LAYOUT_KNOWN = sys.implementation.name == "cpython" and (3, 11) <= sys.version_info[:2] <= (3, 14)
+
 _FCNTL_LAST_ERRNO = 4  # SQLITE_FCNTL_LAST_ERRNO
 _FCNTL_JOURNAL_POINTER = 28  # SQLITE_FCNTL_JOURNAL_POINTER: the WAL's sqlite3_file in WAL mode
 _NO_CKPT_ON_CLOSE = 1006  # SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE (sqlite3.h), since SQLite 3.16
@@ -105,10 +109,10 @@ def _file_errno(file: ctypes.c_void_p) -> int:
 
 def _handle(db: sqlite3.Connection, path: str | os.PathLike[str]) -> tuple[ctypes.CDLL, int] | None:
     """The C library and ``db``'s ``sqlite3*``, if that handle is a connection to ``path``."""
-    lib = _library()
+    lib = _library() if _LAYOUT_KNOWN else None
     if lib is None:
         return None
-    # CPython's connection object (3.11 to 3.13) starts with the sqlite3* after PyObject_HEAD.
+    # CPython's connection object (3.11 to 3.14) starts with the sqlite3* after PyObject_HEAD.
     handle = ctypes.c_void_p.from_address(id(db) + object.__basicsize__).value
     if not handle or not _names(lib, handle, path):
         return None
