@@ -26,8 +26,9 @@ CAMPAIGNS = (
     ("state machine", "tests/inputs/test_state_machine.py"),
 )
 
-# Hypothesis prints, per test: "- 100 passing examples, 0 failing examples, ...".
-_EXAMPLES = re.compile(r"(\d+) passing examples?, (\d+) failing examples?")
+# Hypothesis prints, per test, "- 100 passing examples, 0 failing examples, ..." (older)
+# or "- 100 passing, 0 failing, and 13 invalid test cases" (newer).
+_EXAMPLES = re.compile(r"(\d+) passing(?: examples?)?, (\d+) failing")
 
 
 @dataclass(frozen=True)

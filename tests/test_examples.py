@@ -55,11 +55,28 @@ FIGURES: dict[str, list[str]] = {
         r"1\s+2\s+1\s+6\s+ModelStep · ToolStep · ModelStep · FinalStep\(replayed=False\)",
         r"2\s+0\s+0\s+6\s+FinalStep\(replayed=True\)",
     ],
+    "09_un_conductor": [
+        r"A\s+holds run-1 \(fence 1, lease_ttl=2\.0\), in esperar \d+\.\d s, lease renewed; "
+        r"then SIGSTOP\s+1\s+0\s+-",
+        r"B\s+RunLocked in \d+\.\d+ s, naming A's pid \d+\s+0\s+0\s+-",
+        r"C\s+took over \d+\.\d s after A's lease expired, fence 1 → 2; closed\s+2\s+1\s+-",
+        r"A\s+SIGCONT, esperar returns: LeaseLost\s+0\s+0\s+0",
+        r"K\s+holds run-2 \(fence 1, lease_ttl=30\), in esperar; killed by SIGKILL\s+1\s+0\s+-",
+        r"D\s+took over \d+\.\d s after the SIGKILL, with \d+ s of K's lease left, "
+        r"fence 1 → 2; closed\s+2\s+1\s+-",
+        r"B got: RunLocked: run 'run-1' is being driven by another session \(pid \d+ on ",
+        r"A got: LeaseLost: run 'run-1': this session's lease \(token 1\) expired",
+    ],
+    "10_parada_ordenada": [
+        r"pass 1\s+ShutdownRequested, exit 75\s+1\s+1\s+0\s+released\s+running\s+m1\.t1 ok\n",
+        r"pass 2\s+closed, exit 0\s+2\s+0\s+1\s+released\s+closed\s+m1\.t1 ok, m2\.t1 ok\n",
+        r"cobrar saw the stop requested while it ran: True\n",
+    ],
 }
 
 
 def test_every_property_has_a_script() -> None:
-    """The glob finds the six guarantee scripts (a renamed script is not silently skipped)."""
+    """The glob finds every script FIGURES names (a renamed script is not silently skipped)."""
     assert {p.stem for p in SCRIPTS} >= set(FIGURES)
 
 
