@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import subprocess
+import sys
 from types import ModuleType
 
 import click
@@ -89,3 +91,20 @@ def test_every_error_class_derives_from_asiento_error() -> None:
         and not issubclass(cls, AsientoError | click.ClickException)
     }
     assert strays == set()
+
+
+def test_import_loads_no_optional_or_heavy_dependency() -> None:
+    """`import asiento` (every child process a crash harness forks, every worker) loads no
+    HTTP client, database driver, provider SDK or CLI toolkit until one is used."""
+    probe = (
+        "import sys, asiento, asiento.effects\n"
+        "heavy = ('httpx', 'psycopg', 'psycopg_pool', 'openai', 'anthropic', 'rich', 'click',"
+        " 'starlette')\n"
+        "print(','.join(m for m in heavy if m in sys.modules))\n"
+        "from asiento.effects import HttpEffect\n"
+        "print(HttpEffect.__name__, 'httpx' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.splitlines() == ["", "HttpEffect True"], done.stdout

@@ -1,5 +1,7 @@
 """Effects that survive any crash: prepare, publish, confirm, reconcile."""
 
+from typing import TYPE_CHECKING, Any
+
 from .base import (
     Effect,
     EffectRejected,
@@ -9,8 +11,20 @@ from .base import (
     reconcile,
 )
 from .files import WriteFile, write_atomic
-from .http import HttpEffect
 from .records import EffectRecord, effect_records, effect_records_of
+
+if TYPE_CHECKING:
+    from .http import HttpEffect
+
+
+def __getattr__(name: str) -> Any:
+    """``HttpEffect`` is imported on first use: httpx costs every process ~0.1 s to load."""
+    if name == "HttpEffect":
+        from .http import HttpEffect
+
+        return HttpEffect
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "Effect",
