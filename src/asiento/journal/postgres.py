@@ -316,18 +316,11 @@ class PostgresCheckpointer:
                 return Claim(lease=lease, task=task, agent=agent, attempts=attempts + 1)
             return None
 
-        # Not _idempotent: redone blindly after a lost COMMIT, a claim would lease a second
-        # run and strand the first one until its lease expired.
-        retry = _Retry(self._retry_for)
-        unsure = False
-        while True:
-            try:
-                return await self._transact_once(partial(take, unsure=unsure))
-            except _CommitUnknown as exc:
-                unsure = True
-                await retry.pause(self._gave_up("claiming a run", exc))
-            except _ConnectionLost as exc:
-                await retry.pause(self._gave_up("claiming a run", exc))
+        # Redone blindly after a lost COMMIT, a claim would lease a second run and strand
+        # the first one until its lease expired: the redo first looks for that one.
+        return await self._idempotent(
+            partial(take, unsure=False), after_unknown=partial(take, unsure=True)
+        )
 
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
         if status is None:
@@ -338,15 +331,6 @@ class PostgresCheckpointer:
         return [run_info(row) for row in rows]
 
     # -- connections and transactions ------------------------------------------------------
-
-    async def _transact(self, work: Work[T]) -> T:
-        """Run ``work`` in one transaction; a connection lost before COMMIT is retried."""
-        retry = _Retry(self._retry_for)
-        while True:
-            try:
-                return await self._transact_once(work)
-            except _ConnectionLost as exc:
-                await retry.pause(self._gave_up("committing", exc))
 
     async def _transact_once(self, work: Work[T]) -> T:
         """One attempt: ``_ConnectionLost`` if nothing was written, ``_CommitUnknown`` if unsure."""
@@ -374,7 +358,7 @@ class PostgresCheckpointer:
                 return result
 
     async def _exactly_once(self, work: Work[None], landed: Landed) -> None:
-        """``_transact`` for a write that must not happen twice.
+        """One transaction, for a write that must not happen twice.
 
         A COMMIT whose outcome is unknown is read back (``landed``) before anything
         else; if it is not there, the write is tried again, on a new connection, for
@@ -407,13 +391,17 @@ class PostgresCheckpointer:
                 "whether it was recorded, the journal will tell when the run is resumed"
             ) from exc
 
-    async def _idempotent(self, work: Work[T]) -> T:
-        """``_transact`` for work that may safely run twice: an unknown COMMIT is redone."""
+    async def _idempotent(self, work: Work[T], *, after_unknown: Work[T] | None = None) -> T:
+        """One transaction, for work that may safely run twice: an unknown COMMIT is redone
+        (as ``after_unknown`` once a COMMIT was cut off, when given)."""
         retry = _Retry(self._retry_for)
         while True:
             try:
                 return await self._transact_once(work)
-            except (_CommitUnknown, _ConnectionLost) as exc:
+            except _CommitUnknown as exc:
+                work = after_unknown or work
+                await retry.pause(self._gave_up("committing", exc))
+            except _ConnectionLost as exc:
                 await retry.pause(self._gave_up("committing", exc))
 
     async def _fetch(self, query: str, args: Sequence[Any]) -> list[TupleRow]:
