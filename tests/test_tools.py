@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import os
+import select
+import signal
+import threading
+import time
 from typing import Any, Literal
 
 import pydantic
@@ -212,3 +219,103 @@ def test_common_parameter_names_are_accepted() -> None:
 
     assert set(params(query)["properties"]) == {"sql", "schema", "json"}
     assert query.validate({"sql": "select 1", "schema": "s"})["schema"] == "s"
+
+
+# -- where sync tools run --------------------------------------------------------------
+
+
+async def test_a_slow_sync_tool_leaves_the_event_loop_free() -> None:
+    """A sync tool that blocks runs off the loop: other tasks (the lease renewal) go on."""
+    ticks: list[float] = []
+
+    @tool
+    def slow() -> str:
+        time.sleep(0.3)
+        return threading.current_thread().name
+
+    async def ticker() -> None:
+        for _ in range(100):
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.01)
+
+    running = asyncio.create_task(ticker())
+    started = time.monotonic()
+    name = await slow.invoke({})
+    running.cancel()
+    assert name != threading.current_thread().name
+    during = [t for t in ticks if started + 0.05 < t < started + 0.25]
+    assert len(during) >= 5, f"the loop ran {len(during)} times in 0.2 s of a blocking tool"
+
+
+async def test_a_quick_sync_tool_runs_off_the_loop_thread_too() -> None:
+    """However quick, a sync tool runs on a tool thread, not on the loop's."""
+
+    @tool
+    def where() -> str:
+        return threading.current_thread().name
+
+    names = {await where.invoke({}) for _ in range(20)}
+    assert threading.current_thread().name not in names
+    assert all(n.startswith("asiento-tool") for n in names)
+
+
+async def test_sync_tools_see_the_callers_context_variables() -> None:
+    """The step's context (``current_step()``) is visible in a sync tool's thread."""
+    seen: contextvars.ContextVar[str] = contextvars.ContextVar("seen", default="unset")
+
+    @tool
+    def read() -> str:
+        return seen.get()
+
+    @tool
+    def read_slowly() -> str:
+        time.sleep(0.05)  # past the quick wait: delivered through the event loop
+        return seen.get()
+
+    token = seen.set("the caller's")
+    try:
+        assert await read.invoke({}) == "the caller's"
+        assert await read_slowly.invoke({}) == "the caller's"
+    finally:
+        seen.reset(token)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05])
+async def test_a_sync_tools_own_timeout_error_is_its_outcome(delay: float) -> None:
+    """A TimeoutError the tool raises is the tool's, whether it came quickly or not."""
+
+    @tool
+    def times_out() -> str:
+        time.sleep(delay)
+        raise TimeoutError("the remote end took too long")
+
+    with pytest.raises(TimeoutError, match="remote end"):
+        await times_out.invoke({})
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_sync_tools_work_in_a_forked_child_of_a_process_that_used_them() -> None:
+    """A forked child does not inherit the parent's tool threads; it starts its own."""
+
+    @tool
+    def double(n: int) -> int:
+        return 2 * n
+
+    assert asyncio.run(double.invoke({"n": 1})) == 2  # the parent's pool now has a thread
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a result, or silence if it hangs
+        try:
+            os.write(writer, str(asyncio.run(double.invoke({"n": 21}))).encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    try:
+        ready, _, _ = select.select([reader], [], [], 20)
+        assert ready, "the forked child hung calling a sync tool"
+        assert os.read(reader, 100) == b"42"
+    finally:
+        os.close(reader)
+        if os.waitpid(pid, os.WNOHANG)[0] == 0:  # still running: it hung
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)

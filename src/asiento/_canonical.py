@@ -11,10 +11,13 @@ import json
 from typing import Any
 from urllib.parse import quote
 
+# Built once: ``json.dumps`` with keywords builds a new encoder at every call.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False).encode
+
 
 def canonical_json(obj: Any) -> str:
     """Serialise ``obj`` so that equal values give equal text."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return _CANONICAL(obj)
 
 
 def sha256_hex(text: str) -> str:

@@ -274,7 +274,7 @@ class _Pass:
     async def _start(self, step_id: str, call: ToolCall, tool: Tool | None) -> bool:
         args = dict(call.arguments)
         payload: dict[str, Any] = {"tool": call.name, "args": args, "fp": fingerprint(args)[:32]}
-        problem = _argument_problem(call, tool)
+        problem, kwargs = _argument_problem(call, tool)
         if problem is not None or tool is None:
             self._record(step_id, Phase.INTENT, payload)
             self._result(step_id, call, Decision.ALLOW, {"status": "error", "error": problem})
@@ -295,11 +295,18 @@ class _Pass:
             if tool.effect is not None:
                 await self._flush()
                 crash_point("after_prepare")
-            await self._execute(StepState(step_id, 1, {Phase.INTENT: intent}), call, tool)
+            state = StepState(step_id, 1, {Phase.INTENT: intent})
+            await self._execute(state, call, tool, kwargs=kwargs)
         return True
 
     async def _execute(
-        self, state: StepState, call: ToolCall, tool: Tool, via: str = "publish"
+        self,
+        state: StepState,
+        call: ToolCall,
+        tool: Tool,
+        via: str = "publish",
+        *,
+        kwargs: dict[str, Any] | None = None,
     ) -> None:
         """Run the tool once, with its intent and submitted marker durable before it starts."""
         records, attempt_id = state.records, state.next_id
@@ -315,7 +322,7 @@ class _Pass:
             if tool.effect is not None:
                 outcome = await _publish(tool.effect, intent, via, attempts)
             else:
-                outcome = await _invoke(tool, intent)
+                outcome = await _invoke(tool, intent, kwargs)
         finally:
             context.leave(token)
         self.stats.tool_calls += 1
@@ -449,15 +456,17 @@ class _Pass:
         return out
 
 
-def _argument_problem(call: ToolCall, tool: Tool | None) -> str | None:
-    """Why a call cannot run at all (unknown tool, arguments that do not fit), or None."""
+def _argument_problem(
+    call: ToolCall, tool: Tool | None
+) -> tuple[str | None, dict[str, Any] | None]:
+    """Why a call cannot run at all (unknown tool, arguments that do not fit), or the
+    validated keyword arguments to call the tool with."""
     if tool is None:
-        return f"unknown tool {call.name!r}"
+        return f"unknown tool {call.name!r}", None
     try:
-        tool.validate(call.arguments)
+        return None, tool.validate(call.arguments)
     except ToolArgumentsError as exc:
-        return str(exc)
-    return None
+        return str(exc), None
 
 
 def _prepare(tool: Tool, run_id: str, step_id: str, intent: dict[str, Any]) -> str | None:
@@ -476,10 +485,15 @@ def _prepare(tool: Tool, run_id: str, step_id: str, intent: dict[str, Any]) -> s
     return None
 
 
-async def _invoke(tool: Tool, intent: StepEvent) -> dict[str, Any]:
-    """Call a plain tool; whatever it raises is its recorded outcome."""
+async def _invoke(
+    tool: Tool, intent: StepEvent, kwargs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Call a plain tool (``kwargs``: its arguments, validated already); whatever it
+    raises is its recorded outcome."""
     try:
-        return _ok(await tool.invoke(intent.payload["args"]))
+        if kwargs is None:
+            return _ok(await tool.invoke(intent.payload["args"]))
+        return _ok(await tool.call_validated(kwargs))
     except ToolArgumentsError as exc:
         return {"status": "error", "error": str(exc)}
     except Exception as exc:
@@ -528,6 +542,12 @@ def _ok(value: Any) -> dict[str, Any]:
     Dataclasses and pydantic models become objects; sets are refused, because
     their order differs between processes and the journal must not depend on it.
     """
+    if type(value) is str and len(value) * 6 < MAX_RECORD_BYTES - 1024:
+        try:  # the usual result, checked without serialising it (at most 6 bytes a char)
+            value.encode()
+            return {"status": "ok", "value": value}
+        except UnicodeEncodeError:
+            pass  # a lone surrogate: the general path below words the failure
     try:
         _refuse_sets(value)
         jsonable = to_jsonable_python(value)

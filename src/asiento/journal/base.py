@@ -207,7 +207,10 @@ def encode_batch(events: Sequence[StepEvent]) -> tuple[str, list[Row]]:
     """Check one append batch and serialise it, before any transaction starts."""
     if not events:
         raise UsageError("append() needs at least one StepEvent")
-    run_id = events[0].run_id
+    first = events[0]
+    if not isinstance(first, StepEvent):
+        raise UsageError(f"append() takes StepEvent records, got {type(first).__name__}")
+    run_id = check_id("run_id", first.run_id)
     seen: set[tuple[str, str]] = set()
     rows: list[Row] = []
     for event in events:
@@ -220,19 +223,26 @@ def encode_batch(events: Sequence[StepEvent]) -> tuple[str, list[Row]]:
     return run_id, rows
 
 
+_PHASES = frozenset(Phase)
+
+
 def _check_event(event: StepEvent, run_id: str) -> None:
     if not isinstance(event, StepEvent):
         raise UsageError(f"append() takes StepEvent records, got {type(event).__name__}")
     if event.run_id != run_id:
         raise UsageError("append() records one run at a time; the batch mixes run ids")
-    check_id("run_id", event.run_id)
     check_id("step_id", event.step_id)
-    Phase(event.phase)
+    if not isinstance(event.phase, str) or event.phase not in _PHASES:
+        Phase(event.phase)  # raises, naming the value that is not a phase
+
+
+# Built once: ``json.dumps`` with keywords builds a new encoder at every call.
+_COMPACT = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 
 def _encode(event: StepEvent) -> Row:
     try:
-        payload = json.dumps(event.payload, separators=(",", ":"), allow_nan=False)
+        payload = _COMPACT(event.payload)
     except (TypeError, ValueError, RecursionError) as exc:
         raise UsageError(
             f"run {event.run_id!r} step {event.step_id!r} {event.phase}: payload is not JSON: {exc}"
