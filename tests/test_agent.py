@@ -409,6 +409,19 @@ async def test_gateway_garbage_is_a_usage_error_and_records_nothing(journal: Jou
     assert calls == ["hi"]
 
 
+async def test_tool_arguments_that_are_not_json_are_a_usage_error(journal: Journal) -> None:
+    """Arguments a gateway built from Python objects JSON cannot hold are refused by name."""
+    calls: list[str] = []
+    for arguments in ({"text": {"a", "b"}}, {"text": float("nan")}):
+        bad = ScriptedGateway(
+            [ModelResponse(tool_calls=[ToolCall(name="echo", arguments=arguments)])]
+        )
+        with pytest.raises(UsageError, match="tool call 'echo' has arguments that are not JSON"):
+            await drive(echo_agent(calls), bad, journal.open())
+    assert calls == []
+    assert await journal.open().load_step(RUN, "m1") == []
+
+
 # -- 13. sync and async tools, async policy ------------------------------------------
 
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from ._canonical import canonical_json
 from .errors import UsageError
 
 Role = Literal["user", "assistant", "tool"]
@@ -187,4 +188,11 @@ def check_response(response: object, *, where: str) -> ModelResponse:
             raise UsageError(f"{where}: every tool call needs a non-empty str name, got {call!r}")
         if not isinstance(call.arguments, Mapping):
             raise UsageError(f"{where}: tool call {call.name!r} has non-object arguments")
+        try:
+            canonical_json(call.arguments)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise UsageError(
+                f"{where}: tool call {call.name!r} has arguments that are not JSON ({exc}); "
+                "nothing of this answer was recorded"
+            ) from None
     return response

@@ -10,6 +10,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from .._canonical import compact_encoder
 from ..errors import JournalCorrupt, LeaseLost, RecordTooLarge, RunLocked, UsageError
 from ..events import Claim, Decision, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder, is_dead_here
@@ -236,8 +237,7 @@ def _check_event(event: StepEvent, run_id: str) -> None:
         Phase(event.phase)  # raises, naming the value that is not a phase
 
 
-# Built once: ``json.dumps`` with keywords builds a new encoder at every call.
-_COMPACT = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+_COMPACT = compact_encoder(sort_keys=False)
 
 
 def _encode(event: StepEvent) -> Row:
