@@ -6,8 +6,8 @@
 Everything is measured in one run, on real SQLite files in a temporary
 directory (``--dir`` to choose it; fsync costs nothing on tmpfs):
 
-1. asiento: an ``Agent`` with one trivial non-idempotent tool, driven by
-   ``ScriptedGateway`` through N model+tool steps and a final answer. Durable
+1. asiento: an ``Agent`` with one trivial non-idempotent tool (``async def``),
+   driven by ``ScriptedGateway`` through N model+tool steps and a final answer. Durable
    commits are counted twice, independently: by a delegating ``Checkpointer``
    that counts ``append()`` calls, and from the commit frames in the WAL file.
    Bytes per record and per step come from the journal table and the file size.
@@ -16,6 +16,10 @@ directory (``--dir`` to choose it; fsync costs nothing on tmpfs):
    same size in ``BEGIN IMMEDIATE ... COMMIT``.
 3. fsync-class syscalls per step, counted by ``strace -c`` in child processes.
 4. Scaling with the length of the run, resuming a long run, answering a closed one.
+
+Section 2 also times the same tool written as a plain ``def``: asiento runs a
+sync tool on a thread (it may block, and the event loop must stay free to renew
+the run's lease), and the hand-off between threads costs what the OS makes it cost.
 
 It prints figures and ratios, never pass/fail on time. The targets (DESIGN.md,
 "Cost"): at most 2 commits per model+tool step, and time per step within 1.5x
@@ -103,9 +107,18 @@ FULL = Config(
 
 
 @tool(idempotent=False)
-def note(n: int) -> str:
+async def note(n: int) -> str:
     """Record a number: a trivial effect that must not be repeated."""
     return f"noted {n}"
+
+
+@tool(idempotent=False, name="note")
+def note_sync(n: int) -> str:
+    """Record a number: the same tool as a plain function (asiento runs it on a thread)."""
+    return f"noted {n}"
+
+
+TOOLS = {"async": note, "sync": note_sync}
 
 
 def script(steps: int) -> Callable[[ModelRequest], ModelResponse]:
@@ -235,11 +248,13 @@ async def drive(
     stop_after: int = 0,
     watch_wal: bool = False,
     gateway: Callable[[int], Gateway] = scripted,
+    tool_kind: str = "async",
 ) -> Trace:
     """One run of ``steps`` model+tool steps and a final answer (or stop after some)."""
     store = CountingStore(SqliteCheckpointer(path, durability=durability))  # type: ignore[arg-type]
     trace = Trace(wal_base=wal_frames(path) if watch_wal else (0, 0))
-    agent = Agent(instructions="You note numbers.", tools=[note], max_turns=steps + 1)
+    tools = [TOOLS[tool_kind]]
+    agent = Agent(instructions="You note numbers.", tools=tools, max_turns=steps + 1)
     session = Session(RUN_ID, gateway(steps), store)
     try:
         with gc_timer() as spent:
@@ -538,30 +553,46 @@ class Bench:
         samples: dict[str, list[float]] = {}
         for _ in range(self.cfg.reps):
             for durability in ("full", "process"):
-                trace = await drive(self.fresh(f"time-{durability}"), durability, n)
-                samples.setdefault(f"a-{durability}", []).append(trace.per_step())
-                samples.setdefault(f"c-{durability}", []).append(trace.commit_per_step())
+                for kind in TOOLS:
+                    path = self.fresh(f"time-{durability}-{kind}")
+                    trace = await drive(path, durability, n, tool_kind=kind)
+                    samples.setdefault(f"a-{durability}-{kind}", []).append(trace.per_step())
+                    samples.setdefault(f"c-{durability}-{kind}", []).append(trace.commit_per_step())
                 raw = raw_loop(self.fresh("raw"), SYNC[durability], n * k, self.per_commit_payload)
                 samples.setdefault(f"r-{durability}", []).append(raw * k)
-        rows = [self._time_row(durability, samples) for durability in ("full", "process")]
+        rows = [
+            self._time_row(durability, kind, samples)
+            for kind in TOOLS
+            for durability in ("full", "process")
+        ]
         header = ["row", "µs/step", "µs_in_append", "µs_rest", "raw_floor_µs/step", "ratio"]
         title = (
             f"Time per model+tool step vs the raw SQLite floor (N={n}, median of {self.cfg.reps};"
             f" floor = {k} commits of one {self.per_commit_payload}-byte INSERT per step)"
         )
         table(title, header, rows)
+        hand_off = {
+            d: _median(samples[f"a-{d}-sync"]) - _median(samples[f"a-{d}-async"])
+            for d in ("full", "process")
+        }
         print(
             "   raw floor: a bare sqlite3 loop, WAL, synchronous FULL (full) / NORMAL (process).\n"
             "   µs_in_append: inside Checkpointer.append (SQLite, the fsync, encoding the rows);"
             " µs_rest: the agent loop.\n"
+            "   asiento-*: the tool is `async def note`; sync_tool-*: the same tool as a plain"
+            " `def`, run on a thread.\n"
+            f"   the thread hand-off of a sync tool, sync_tool - asiento: {us(hand_off['full'])}"
+            f" µs/step (full), {us(hand_off['process'])} µs/step (process).\n"
             f"   target: ratio < {TARGET_RATIO}x the raw floor (a figure, not a verdict)."
         )
 
     @staticmethod
-    def _time_row(durability: str, samples: dict[str, list[float]]) -> list[str]:
-        mine, floor = _median(samples[f"a-{durability}"]), _median(samples[f"r-{durability}"])
-        in_append = _median(samples[f"c-{durability}"])
-        return [f"asiento-{durability}", us(mine), us(in_append), us(mine - in_append),
+    def _time_row(durability: str, kind: str, samples: dict[str, list[float]]) -> list[str]:
+        mine = _median(samples[f"a-{durability}-{kind}"])
+        floor = _median(samples[f"r-{durability}"])
+        in_append = _median(samples[f"c-{durability}-{kind}"])
+        name = "asiento" if kind == "async" else "sync_tool"
+        return [f"{name}-{durability}", us(mine), us(in_append), us(mine - in_append),
                 us(floor), f"{mine / floor:.2f}x"]  # fmt: skip
 
     # 3 --------------------------------------------------------------------------

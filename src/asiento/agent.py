@@ -36,7 +36,14 @@ from .events import (
 )
 from .journal.base import MAX_RECORD_BYTES
 from .ledger import cost_of
-from .model import Message, ModelRequest, ModelResponse, ToolCall, check_response
+from .model import (
+    ConversationPrefix,
+    Message,
+    ModelRequest,
+    ModelResponse,
+    ToolCall,
+    check_response,
+)
 from .policy import Policy, allow_all, ask_policy
 from .replay import Action, Records, StepState, decide, index, step_state
 from .session import Session
@@ -215,8 +222,9 @@ class _Pass:
 
     async def _call_model(self, step_id: str, fp: str) -> ModelResponse:
         key = model_key(self.run_id, step_id, fp)
+        messages = ConversationPrefix(self.messages, len(self.messages))  # never copied
         request = ModelRequest(
-            instructions=self.agent.instructions, messages=self.messages, tools=self.agent.schemas
+            instructions=self.agent.instructions, messages=messages, tools=self.agent.schemas
         )
         answer = await self.session.gateway.complete(request, idempotency_key=key)
         where = f"run {self.run_id!r} step {step_id!r}"

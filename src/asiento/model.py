@@ -6,9 +6,10 @@ data, never live clients.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, overload, runtime_checkable
 
 from ._canonical import canonical_json
 from .errors import UsageError
@@ -153,16 +154,67 @@ class ToolSchema:
         }
 
 
+class ConversationPrefix(Sequence[Message]):
+    """The first ``length`` messages of a list that only ever grows at its end.
+
+    What a request holds instead of a copy of the conversation: copying it at
+    every step would make a step's cost, and the memory of anything that keeps
+    requests, grow with the length of the run.
+    """
+
+    __slots__ = ("_items", "_length")
+
+    def __init__(self, items: list[Message], length: int) -> None:
+        self._items, self._length = items, length
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> Message: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Message, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Message | tuple[Message, ...]:
+        if isinstance(index, slice):
+            return tuple(self._items[: self._length][index])
+        if not -self._length <= index < self._length:
+            raise IndexError("conversation index out of range")
+        return self._items[index % self._length]
+
+    def __iter__(self) -> Iterator[Message]:
+        return itertools.islice(self._items, self._length)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ConversationPrefix | tuple | list):
+            return NotImplemented
+        return len(other) == self._length and all(a == b for a, b in zip(self, other, strict=True))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+    def __reduce__(self) -> tuple[type[tuple[Message, ...]], tuple[tuple[Message, ...]]]:
+        return tuple, (tuple(self),)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelRequest:
-    """Everything a gateway needs to ask the model for the next step."""
+    """Everything a gateway needs to ask the model for the next step.
+
+    ``messages`` is a tuple, or a ``ConversationPrefix`` (the agent's, not copied).
+    """
 
     instructions: str = ""
     messages: Sequence[Message] = ()
     tools: Sequence[ToolSchema] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "messages", tuple(self.messages))
+        if not isinstance(self.messages, ConversationPrefix):
+            object.__setattr__(self, "messages", tuple(self.messages))
         object.__setattr__(self, "tools", tuple(self.tools))
 
 
