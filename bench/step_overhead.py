@@ -316,6 +316,70 @@ def raw_loop(
     return elapsed / max(commits, 1)
 
 
+# The statements SqliteCheckpointer.append runs for a leased run whose status stays:
+# the lease checked and extended with the run index's counters, then the records.
+SAME_SQL_UPDATE = """UPDATE runs SET events = events + ?1, updated_at = ?2,
+    model_calls = model_calls + ?3, tool_steps = tool_steps + ?4,
+    input_tokens = input_tokens + ?5, output_tokens = output_tokens + ?6, cost = cost + ?7,
+    lease_expires = ?2 + lease_ttl
+WHERE run_id = ?8 AND fence = ?9 AND lease_owner = ?10 AND lease_expires >= ?2"""
+SAME_SQL_INSERT = "INSERT INTO journal VALUES (?, ?, ?, ?, ?, ?)"
+
+
+async def empty_journal(path: Path) -> Path:
+    """A new asiento journal with no run in it (the current schema, made by asiento)."""
+    await SqliteCheckpointer(path).close()
+    return path
+
+
+def same_sql_loop(source: Path, target: Path, synchronous: str, steps: int) -> float:
+    """Seconds per step of a bare loop running asiento's own statements, raw.
+
+    The records of the first ``steps`` tool steps of the run in ``source`` are
+    written again into ``target`` (an ``empty_journal``), batched as the agent
+    batches them (model result + intent + submitted, then the tool result), each
+    batch in BEGIN IMMEDIATE ... COMMIT with the lease check that updates the run
+    index. What asiento adds on top of this is Python: the loop, encoding, checks.
+    """
+    db = sqlite3.connect(target, isolation_level=None)
+    try:
+        db.execute(f"PRAGMA synchronous={synchronous}")
+        recorded = sqlite3.connect(f"file:{source}?mode=ro", uri=True)
+        try:
+            sql = (
+                "SELECT run_id, step_id, phase, decision, payload, created_at FROM journal"
+                " WHERE run_id = ? AND step_id != 'final' ORDER BY rowid"
+            )
+            rows = recorded.execute(sql, (RUN_ID,)).fetchall()
+        finally:
+            recorded.close()
+        batches, batch = [], []
+        for row in rows:
+            batch.append(row)
+            if row[2] == "submitted" or (row[2] == "result" and "." in row[1]):
+                batches.append(batch)
+                batch = []
+        batches = batches[: 2 * steps]
+        now = time.time()
+        db.execute(
+            "INSERT INTO runs (run_id, status, events, created_at, updated_at, lease_owner,"
+            " lease_expires, lease_ttl, fence) VALUES (?, 'running', 0, ?, ?, 'me', ?, 30, 1)",
+            (RUN_ID, now, now, now + 3600),
+        )
+        start = time.perf_counter()
+        for batch in batches:
+            db.execute("BEGIN IMMEDIATE")
+            args = (len(batch), time.time(), 1, 1, 150, 18, 0.0, RUN_ID, 1, "me")
+            if db.execute(SAME_SQL_UPDATE, args).rowcount != 1:
+                raise RuntimeError("the same-SQL loop lost its own lease")
+            db.executemany(SAME_SQL_INSERT, batch)
+            db.execute("COMMIT")
+        elapsed = time.perf_counter() - start
+    finally:
+        db.close()
+    return elapsed / max(len(batches) // 2, 1)
+
+
 # -- reading the files -------------------------------------------------------------
 
 
@@ -556,6 +620,11 @@ class Bench:
                 for kind in TOOLS:
                     path = self.fresh(f"time-{durability}-{kind}")
                     trace = await drive(path, durability, n, tool_kind=kind)
+                    if kind == "async":
+                        same = same_sql_loop(
+                            path, await empty_journal(self.fresh("same")), SYNC[durability], n
+                        )
+                        samples.setdefault(f"s-{durability}", []).append(same)
                     samples.setdefault(f"a-{durability}-{kind}", []).append(trace.per_step())
                     samples.setdefault(f"c-{durability}-{kind}", []).append(trace.commit_per_step())
                 raw = raw_loop(self.fresh("raw"), SYNC[durability], n * k, self.per_commit_payload)
@@ -565,7 +634,12 @@ class Bench:
             for kind in TOOLS
             for durability in ("full", "process")
         ]
-        header = ["row", "µs/step", "µs_in_append", "µs_rest", "raw_floor_µs/step", "ratio"]
+        for durability in ("full", "process"):
+            same, floor = _median(samples[f"s-{durability}"]), _median(samples[f"r-{durability}"])
+            rows.append([f"same_sql-{durability}", us(same), "-", "-", us(floor),
+                         f"{same / floor:.2f}x", "1.00x"])  # fmt: skip
+        header = ["row", "µs/step", "µs_in_append", "µs_rest", "raw_floor_µs/step", "ratio",
+                  "vs_same_sql"]  # fmt: skip
         title = (
             f"Time per model+tool step vs the raw SQLite floor (N={n}, median of {self.cfg.reps};"
             f" floor = {k} commits of one {self.per_commit_payload}-byte INSERT per step)"
@@ -581,6 +655,9 @@ class Bench:
             " µs_rest: the agent loop.\n"
             "   asiento-*: the tool is `async def note`; sync_tool-*: the same tool as a plain"
             " `def`, run on a thread.\n"
+            "   same_sql-*: a bare loop running asiento's own statements on the same records"
+            " (lease check + run index UPDATE,\n   then the batch's INSERTs, per commit): what"
+            " SQLite costs for what asiento writes; vs_same_sql is what Python adds.\n"
             f"   the thread hand-off of a sync tool, sync_tool - asiento: {us(hand_off['full'])}"
             f" µs/step (full), {us(hand_off['process'])} µs/step (process).\n"
             f"   target: ratio < {TARGET_RATIO}x the raw floor (a figure, not a verdict)."
@@ -591,9 +668,10 @@ class Bench:
         mine = _median(samples[f"a-{durability}-{kind}"])
         floor = _median(samples[f"r-{durability}"])
         in_append = _median(samples[f"c-{durability}-{kind}"])
+        same = _median(samples[f"s-{durability}"])
         name = "asiento" if kind == "async" else "sync_tool"
         return [f"{name}-{durability}", us(mine), us(in_append), us(mine - in_append),
-                us(floor), f"{mine / floor:.2f}x"]  # fmt: skip
+                us(floor), f"{mine / floor:.2f}x", f"{mine / same:.2f}x"]  # fmt: skip
 
     # 3 --------------------------------------------------------------------------
 
