@@ -57,10 +57,7 @@ class Tool:
             model = self.arguments_model.model_validate(dict(arguments))
         except pydantic.ValidationError as exc:
             raise ToolArgumentsError(f"invalid arguments for tool {self.name!r}: {exc}") from None
-        return {
-            field.alias or name: getattr(model, name)
-            for name, field in type(model).model_fields.items()
-        }
+        return {alias: getattr(model, name) for name, alias in _parameters(self.arguments_model)}
 
     async def invoke(self, arguments: Mapping[str, Any]) -> Any:
         """Run the tool once.
@@ -180,6 +177,12 @@ def _arguments_model(
         return pydantic.create_model(f"{tool_name}_arguments", __config__=config, **fields)
     except Exception as exc:
         raise UsageError(f"tool {tool_name!r}: its signature has no JSON schema: {exc}") from exc
+
+
+@functools.cache
+def _parameters(model: type[pydantic.BaseModel]) -> tuple[tuple[str, str], ...]:
+    """(field name, parameter name) of each argument: the parameter is the field's alias."""
+    return tuple((name, field.alias or name) for name, field in model.model_fields.items())
 
 
 def _field_name(name: str) -> str:

@@ -18,7 +18,7 @@ import pytest
 from asiento import Checkpointer, Decision, MemoryCheckpointer, Phase, SqliteCheckpointer, StepEvent
 from asiento.journal import _postgres_schema as pg_schema
 from asiento.journal import _sqlite_schema as sqlite_schema
-from asiento.journal.base import usage_of
+from asiento.journal.base import counts_of
 from asiento.journal.postgres import PostgresCheckpointer
 
 
@@ -88,7 +88,7 @@ def rows(events: Sequence[StepEvent]) -> list[tuple[Any, ...]]:
 
 def index_row(run_id: str, events: Sequence[StepEvent]) -> tuple[Any, ...]:
     """The run index row schema 1 kept: records, model calls and tokens, by its appends."""
-    usage = usage_of(events)
+    usage = counts_of(events)
     status = "closed" if events and events[-1].step_id == "final" else "running"
     task = "queued work" if not events else None
     return (run_id, status, len(events), 1.0, 2.0, usage["calls"], usage["inp"], usage["out"], task)

@@ -175,33 +175,26 @@ def run_info(row: Sequence[Any]) -> RunInfo:
     return RunInfo(**values)
 
 
-def usage_of(events: Sequence[StepEvent]) -> dict[str, Any]:
-    """Model calls, tokens and cost paid, read from the model results in a batch."""
-    calls = inp = out = 0
+def counts_of(events: Sequence[StepEvent]) -> dict[str, Any]:
+    """What one append adds to the run index: model ``calls``, tokens (``inp``, ``out``)
+    and ``cost`` paid, read from the batch's model results, and the ``tools`` steps it
+    starts: one ``intent`` per tool call the model asked for (a retry, ``m1.t1/2``,
+    writes no intent of its own: it is another attempt of the same step).
+    """
+    calls = inp = out = tools = 0
     cost = 0.0
     for event in events:
-        response = event.payload.get("response") if event.phase == Phase.RESULT else None
-        if isinstance(response, dict):
-            calls += 1
-            usage = response.get("usage", (0, 0))
-            inp, out = inp + int(usage[0]), out + int(usage[1])
-            cost += float(event.payload.get("cost") or 0.0)
-    return {"calls": calls, "inp": inp, "out": out, "cost": cost}
-
-
-def tool_steps_of(events: Sequence[StepEvent]) -> int:
-    """The tool steps a batch starts: one ``intent`` per tool call the model asked for.
-
-    A retry (``m1.t1/2``) writes no intent of its own: it is another attempt of
-    the same step (the journal holds its records under the attempt's id), not
-    another step.
-    """
-    return sum(1 for event in events if event.phase == Phase.INTENT)
-
-
-def counts_of(events: Sequence[StepEvent]) -> dict[str, Any]:
-    """What one append adds to the run index: ``usage_of`` and the ``tools`` steps started."""
-    return usage_of(events) | {"tools": tool_steps_of(events)}
+        phase = event.phase
+        if phase == "intent":
+            tools += 1
+        elif phase == "result":
+            response = event.payload.get("response")
+            if isinstance(response, dict):
+                calls += 1
+                usage = response.get("usage", (0, 0))
+                inp, out = inp + int(usage[0]), out + int(usage[1])
+                cost += float(event.payload.get("cost") or 0.0)
+    return {"calls": calls, "inp": inp, "out": out, "cost": cost, "tools": tools}
 
 
 def encode_batch(events: Sequence[StepEvent]) -> tuple[str, list[Row]]:
