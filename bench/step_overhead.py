@@ -728,8 +728,8 @@ class Bench:
         print(
             "   cpu_µs/step: CPU time per step (process durability), less disturbed by other"
             " load than wall time.\n   _no_log: the same script through a gateway that keeps"
-            " no call log (ScriptedGateway.calls keeps every\n   request, and each request a"
-            " copy of the whole conversation). gc_µs/step: time in Python's cyclic GC.\n"
+            " no call log (ScriptedGateway.calls keeps every\n   request; each request holds a"
+            " view of the conversation, not a copy). gc_µs/step: time in Python's cyclic GC.\n"
             "   file_B/step = (file - an empty run's file) / N."
         )
         self._within_run(longest)
