@@ -63,6 +63,7 @@ from asiento import (
     Usage,
     tool,
 )
+from asiento.journal import sqlite as sqlite_store
 from asiento.testing import ScriptedGateway
 
 RUN_ID = "bench"
@@ -316,14 +317,11 @@ def raw_loop(
     return elapsed / max(commits, 1)
 
 
-# The statements SqliteCheckpointer.append runs for a leased run whose status stays:
-# the lease checked and extended with the run index's counters, then the records.
-SAME_SQL_UPDATE = """UPDATE runs SET events = events + ?1, updated_at = ?2,
-    model_calls = model_calls + ?3, tool_steps = tool_steps + ?4,
-    input_tokens = input_tokens + ?5, output_tokens = output_tokens + ?6, cost = cost + ?7,
-    lease_expires = ?2 + lease_ttl
-WHERE run_id = ?8 AND fence = ?9 AND lease_owner = ?10 AND lease_expires >= ?2"""
-SAME_SQL_INSERT = "INSERT INTO journal VALUES (?, ?, ?, ?, ?, ?)"
+# The statements SqliteCheckpointer.append runs for a leased run whose status stays
+# (the lease checked and extended with the run index's counters, then the records),
+# taken from the store itself so that the two cannot drift apart.
+SAME_SQL_UPDATE = sqlite_store._APPEND_LEASED_SAME_STATUS
+SAME_SQL_INSERT = sqlite_store._INSERT_RECORD
 
 
 async def empty_journal(path: Path) -> Path:
