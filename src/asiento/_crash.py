@@ -43,11 +43,6 @@ def arm(spec: str | None) -> None:
     _state["armed"] = (name, int(nth or 1))
 
 
-def armed() -> bool:
-    """Whether any point is armed (callers skip working out which points they pass)."""
-    return _state["armed"] is not None
-
-
 def crash_point(name: str) -> None:
     """Die here with SIGKILL if this point is armed and its passage has come."""
     armed = _state["armed"]

@@ -17,7 +17,6 @@ from pydantic_core import to_jsonable_python
 
 from . import context, shutdown
 from ._canonical import FingerprintChain, canonical_json, fingerprint, idem_key
-from ._crash import armed as crash_armed
 from ._crash import crash_point
 from .context import StepContext
 from .effects.base import Effect, EffectRejected, Published, Reconcile, reconcile
@@ -442,7 +441,7 @@ class _Pass:
     async def _flush(self, status: RunStatus | None = None) -> None:
         """Make the pending records durable in one transaction, then release their steps."""
         events, self.pending = self.pending, []
-        phases = {(e.phase, _is_tool_step(e.step_id)) for e in events} if crash_armed() else set()
+        phases = {(e.phase, _is_tool_step(e.step_id)) for e in events}
         if (Phase.INTENT, True) in phases:
             crash_point("before_intent")
         if events:
