@@ -9,6 +9,7 @@ import select
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import pydantic
@@ -248,7 +249,7 @@ async def test_a_slow_sync_tool_leaves_the_event_loop_free() -> None:
 
 
 async def test_a_quick_sync_tool_runs_off_the_loop_thread_too() -> None:
-    """However quick, a sync tool runs on a tool thread, not on the loop's."""
+    """However quick, a sync tool runs on another thread, not on the loop's."""
 
     @tool
     def where() -> str:
@@ -256,7 +257,25 @@ async def test_a_quick_sync_tool_runs_off_the_loop_thread_too() -> None:
 
     names = {await where.invoke({}) for _ in range(20)}
     assert threading.current_thread().name not in names
-    assert all(n.startswith("asiento-tool") for n in names)
+
+
+async def test_sync_tools_run_on_the_executor_the_application_chose() -> None:
+    """An application that set the loop's default executor gets its tools run there."""
+
+    @tool
+    def where(seconds: float) -> str:
+        time.sleep(seconds)
+        return threading.current_thread().name
+
+    loop = asyncio.get_running_loop()
+    chosen = ThreadPoolExecutor(max_workers=2, thread_name_prefix="the-apps-own")
+    loop.set_default_executor(chosen)
+    try:
+        quick, slow = await where.invoke({"seconds": 0}), await where.invoke({"seconds": 0.05})
+    finally:
+        chosen.shutdown(wait=True)
+    assert quick.startswith("the-apps-own")
+    assert slow.startswith("the-apps-own")
 
 
 async def test_sync_tools_see_the_callers_context_variables() -> None:
@@ -295,7 +314,7 @@ async def test_a_sync_tools_own_timeout_error_is_its_outcome(delay: float) -> No
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_sync_tools_work_in_a_forked_child_of_a_process_that_used_them() -> None:
-    """A forked child does not inherit the parent's tool threads; it starts its own."""
+    """A forked child has none of its parent's threads; its sync tools still run."""
 
     @tool
     def double(n: int) -> int:
