@@ -367,7 +367,7 @@ def same_sql_loop(source: Path, target: Path, synchronous: str, steps: int) -> f
         start = time.perf_counter()
         for batch in batches:
             db.execute("BEGIN IMMEDIATE")
-            args = (len(batch), time.time(), 1, 1, 150, 18, 0.0, RUN_ID, 1, "me")
+            args = (len(batch), time.time(), 1, 1, 150, 18, 0.0, 0, 0, RUN_ID, 1, "me")
             if db.execute(SAME_SQL_UPDATE, args).rowcount != 1:
                 raise RuntimeError("the same-SQL loop lost its own lease")
             db.executemany(SAME_SQL_INSERT, batch)

@@ -422,6 +422,9 @@ async def test_show_says_which_tokens_came_from_the_prompt_cache(tmp_path: Path)
         await store.close()
     shown = cli("show", "cached", cwd=tmp_path).stdout
     assert "[1200+30 tokens, 900 from cache, 200 written to cache]" in shown, shown
+    assert "1,200 in / 30 out, 900 in from cache, 200 written to cache" in shown, shown
+    [listed] = json.loads(cli("runs", "--json", cwd=tmp_path).stdout)
+    assert (listed["cached_input_tokens"], listed["cache_write_tokens"]) == (900, 200)
 
 
 async def test_show_lists_effect_records(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from asiento import (
     Agent,
+    MemoryCheckpointer,
     ModelResponse,
     Price,
     Session,
@@ -164,3 +165,31 @@ def _as_written_before(db: Path, *, cost: float) -> dict:
     finally:
         conn.close()
     return payload
+
+
+@pytest.mark.parametrize("backend", ["memory", "sqlite"])
+async def test_the_run_index_totals_prompt_cache_tokens(tmp_path: Path, backend: str) -> None:
+    """Each paid call's cache reads and writes add up in the run index, as its tokens do."""
+    reads = Usage(input_tokens=1000, output_tokens=100, cached_input_tokens=800)
+    writes = Usage(input_tokens=500, output_tokens=50, cache_write_tokens=450)
+    script = [
+        ModelResponse(tool_calls=SCRIPT[0].tool_calls, usage=reads, model="gpt-x"),
+        ModelResponse(text="done", usage=writes, model="gpt-x"),
+    ]
+
+    @tool(idempotent=True)
+    def crash() -> str:
+        """Answer."""
+        return "ok"
+
+    store = MemoryCheckpointer() if backend == "memory" else SqliteCheckpointer(tmp_path / "r.db")
+    async for _ in Agent(tools=[crash]).run(
+        "t", session=Session("r", ScriptedGateway(script), store)
+    ):
+        pass
+    [info] = await store.runs()
+    assert (info.input_tokens, info.cached_input_tokens, info.cache_write_tokens) == (
+        1500,
+        800,
+        450,
+    )

@@ -471,9 +471,12 @@ def _header(info: RunInfo) -> Text:
     text.append(f" · last activity {when(info.updated_at)}\n")
     text.append(f"lease: {lease_text(info) or 'free'} (fence {info.fence})\n")
     cost = f", cost {money(info.cost)}" if info.cost else ""
+    cached = f", {info.cached_input_tokens:,} in from cache" if info.cached_input_tokens else ""
+    cached += f", {info.cache_write_tokens:,} written to cache" if info.cache_write_tokens else ""
     saved = f", {money(info.saved_cost)}" if info.saved_cost else ""
+    paid = tokens(info.input_tokens, info.output_tokens)
     text.append(
-        f"model calls {info.model_calls} ({tokens(info.input_tokens, info.output_tokens)}{cost});"
+        f"model calls {info.model_calls} ({paid}{cached}{cost});"
         f" replayed {info.replayed_calls} "
         f"(saved {tokens(info.saved_input_tokens, info.saved_output_tokens)}{saved})"
     )

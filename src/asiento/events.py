@@ -66,7 +66,9 @@ class RunInfo:
 
     ``events`` counts the run's journal records; ``tool_steps`` the tool calls the
     model asked for (one ``intent`` record each; a retry of a step is another
-    attempt of the same step, not a new one).
+    attempt of the same step, not a new one). Of ``input_tokens``,
+    ``cached_input_tokens`` were read from a prompt cache and ``cache_write_tokens``
+    written to one (as ``Usage`` counts them, summed over the run's paid calls).
     """
 
     run_id: str
@@ -90,6 +92,8 @@ class RunInfo:
     cost: float = 0.0
     saved_cost: float = 0.0
     tool_steps: int = 0
+    cached_input_tokens: int = 0
+    cache_write_tokens: int = 0
 
     @property
     def steps(self) -> int:

@@ -31,16 +31,23 @@ def ev(
     )
 
 
-def model(run_id: str, step_id: str, *calls: str) -> StepEvent:
-    """A model step that paid 10 tokens in and 2 out and asked for ``calls``."""
+def model(
+    run_id: str, step_id: str, *calls: str, cache: tuple[int, int] | None = None
+) -> StepEvent:
+    """A model step that paid 10 tokens in and 2 out and asked for ``calls``; ``cache``:
+    of the 10, how many were read from and written to a prompt cache."""
     asked = [{"name": c, "arguments": {}, "id": c} for c in calls]
-    response = {"text": "" if calls else "done", "tool_calls": asked, "usage": [10, 2]}
+    response: dict[str, Any] = {"text": "" if calls else "done", "tool_calls": asked}
+    response["usage"] = [10, 2]
+    if cache is not None:
+        response["cache"] = list(cache)
     return ev(run_id, step_id, Phase.RESULT, fp="f" * 64, response=response)
 
 
 # Two approved-or-allowed tool calls, then the answer: 2 model steps, 2 tool steps.
+# Its model steps read 6 + 4 tokens from a prompt cache and wrote 3 to it.
 CLOSED = [
-    model("closed", "m1", "look", "pay"),
+    model("closed", "m1", "look", "pay", cache=(6, 3)),
     ev("closed", "m1.t1", Phase.INTENT, Decision.ALLOW, tool="look", args={}, fp="a"),
     ev("closed", "m1.t1", Phase.SUBMITTED),
     ev("closed", "m1.t1", Phase.RESULT, status="ok", value="found"),
@@ -48,7 +55,7 @@ CLOSED = [
     ev("closed", "m1.t2", Phase.APPROVAL, Decision.APPROVED, by="ana", reason="", fp="b"),
     ev("closed", "m1.t2", Phase.SUBMITTED),
     ev("closed", "m1.t2", Phase.RESULT, status="ok", value="tx-1"),
-    model("closed", "m2"),
+    model("closed", "m2", cache=(4, 0)),
     ev("closed", "final", Phase.RESULT, step="m2", text="done"),
 ]
 
@@ -69,6 +76,9 @@ RUNS = {"closed": CLOSED, "retried": RETRIED, "queued": []}
 
 # run id -> (steps, model steps, tool steps, records)
 EXPECTED = {"closed": (4, 2, 2, 10), "retried": (3, 1, 2, 8), "queued": (0, 0, 0, 0)}
+
+# run id -> (input tokens, of which read from a cache, written to one): schema 3's columns.
+EXPECTED_TOKENS = {"closed": (20, 10, 3), "retried": (10, 0, 0), "queued": (0, 0, 0)}
 
 
 def rows(events: Sequence[StepEvent]) -> list[tuple[Any, ...]]:
@@ -213,5 +223,52 @@ async def test_upgraded_journal_counts_new_steps_from_the_backfill(
         await store.append(ev("queued", "m1", Phase.RESULT, note="no response"))
         listed = counts(await store.runs())
         assert (listed["retried"], listed["queued"]) == ((5, 2, 3, 10), (0, 0, 0, 1))
+    finally:
+        await store.close()
+
+
+def tokens(store_runs: Sequence[Any]) -> dict[str, tuple[int, int, int]]:
+    return {
+        r.run_id: (r.input_tokens, r.cached_input_tokens, r.cache_write_tokens) for r in store_runs
+    }
+
+
+@pytest.mark.parametrize("backend", list(OPENERS))
+async def test_upgrade_to_schema_3_backfills_prompt_cache_tokens(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    """Migration 3 sums each run's cache tokens from its recorded model results, as a
+    fresh journal counts them; appends after it add theirs."""
+    store, version = await OPENERS[backend](request)
+    try:
+        assert version() == LATEST[backend] >= 3
+        assert tokens(await store.runs()) == EXPECTED_TOKENS
+        fresh = MemoryCheckpointer()
+        for events in (CLOSED, RETRIED):
+            await fresh.append(*events)
+        upgraded = {k: v for k, v in tokens(await store.runs()).items() if k != "queued"}
+        assert upgraded == tokens(await fresh.runs())
+        await store.append(model("retried", "m2", "look", cache=(7, 1)))
+        assert tokens(await store.runs())["retried"] == (20, 7, 1)
+    finally:
+        await store.close()
+
+
+async def test_a_record_the_sqlite_backfill_cannot_read_counts_nothing(tmp_path: Path) -> None:
+    """A damaged model result does not stop the upgrade; the run's other records count."""
+    path = tmp_path / "runs.db"
+    sqlite_at_schema_1(path)
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "INSERT INTO journal VALUES ('closed', 'm9', 'result', NULL, ?, 1.0)",
+            ('{"response": {"cache": [5, "five"]}}',),
+        )
+        db.execute(
+            "INSERT INTO journal VALUES ('closed', 'm8', 'result', NULL, ?, 1.0)",
+            ('{"response": {"cache": [5, 1]',),  # cut short
+        )
+    store = SqliteCheckpointer(path)
+    try:
+        assert tokens(await store.runs())["closed"] == (20, 10, 3)
     finally:
         await store.close()

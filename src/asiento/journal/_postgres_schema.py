@@ -81,6 +81,22 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         WHERE runs.run_id = counted.run_id
         """,
     ),
+    # 3: prompt-cache tokens of each run's paid calls (read from, written to a cache),
+    # summed from the model results already recorded.
+    (
+        "ALTER TABLE runs ADD COLUMN cached_input_tokens bigint NOT NULL DEFAULT 0",
+        "ALTER TABLE runs ADD COLUMN cache_write_tokens bigint NOT NULL DEFAULT 0",
+        """
+        UPDATE runs SET cached_input_tokens = counted.read, cache_write_tokens = counted.written
+        FROM (SELECT run_id,
+                     sum((payload::jsonb #>> '{response,cache,0}')::bigint) AS read,
+                     sum((payload::jsonb #>> '{response,cache,1}')::bigint) AS written
+              FROM journal
+              WHERE phase = 'result' AND payload LIKE '%"cache"%'
+              GROUP BY run_id) AS counted
+        WHERE runs.run_id = counted.run_id AND counted.read IS NOT NULL
+        """,
+    ),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -103,9 +119,10 @@ _ATTEMPTS = """attempts = CASE WHEN %(status)s IN ('closed', 'suspended', 'uncer
 
 UPSERT_RUN = f"""
 INSERT INTO runs (run_id, status, events, created_at, updated_at,
-                  model_calls, input_tokens, output_tokens, cost, tool_steps)
+                  model_calls, input_tokens, output_tokens, cost, tool_steps,
+                  cached_input_tokens, cache_write_tokens)
 VALUES (%(run_id)s, coalesce(%(status)s, 'running'), %(added)s, {NOW}, {NOW},
-        %(calls)s, %(inp)s, %(out)s, %(cost)s, %(tools)s)
+        %(calls)s, %(inp)s, %(out)s, %(cost)s, %(tools)s, %(cread)s, %(cwrite)s)
 ON CONFLICT (run_id) DO UPDATE SET
     status = coalesce(%(status)s, runs.status),
     events = runs.events + excluded.events,
@@ -114,6 +131,8 @@ ON CONFLICT (run_id) DO UPDATE SET
     tool_steps = runs.tool_steps + excluded.tool_steps,
     input_tokens = runs.input_tokens + excluded.input_tokens,
     output_tokens = runs.output_tokens + excluded.output_tokens,
+    cached_input_tokens = runs.cached_input_tokens + excluded.cached_input_tokens,
+    cache_write_tokens = runs.cache_write_tokens + excluded.cache_write_tokens,
     cost = runs.cost + excluded.cost,
     {_ATTEMPTS}
 """
@@ -128,6 +147,8 @@ UPDATE runs SET
     tool_steps = tool_steps + %(tools)s,
     input_tokens = input_tokens + %(inp)s,
     output_tokens = output_tokens + %(out)s,
+    cached_input_tokens = cached_input_tokens + %(cread)s,
+    cache_write_tokens = cache_write_tokens + %(cwrite)s,
     cost = cost + %(cost)s,
     {_ATTEMPTS},
     lease_expires = {NOW} + lease_ttl
@@ -210,7 +231,8 @@ COUNT_CLAIM = "UPDATE runs SET attempts = attempts + 1 WHERE run_id = %s"
 SELECT_RUNS = """
 SELECT run_id, status, events, created_at, updated_at, lease_owner, lease_expires, fence,
     model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
-    saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps
+    saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps,
+    cached_input_tokens, cache_write_tokens
 FROM runs
 """
 

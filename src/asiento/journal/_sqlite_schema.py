@@ -53,6 +53,12 @@ MIGRATIONS: tuple[str, ...] = (
         WHERE journal.run_id = runs.run_id AND journal.phase = 'intent'
     );
     """,
+    # 3: prompt-cache tokens of each run's paid calls (read from, written to a cache);
+    # the existing model results are counted by ``sqlite.backfill_cache_tokens``.
+    """
+    ALTER TABLE runs ADD COLUMN cached_input_tokens INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE runs ADD COLUMN cache_write_tokens INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

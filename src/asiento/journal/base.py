@@ -158,6 +158,8 @@ _RUN_FIELDS = (
     "cost",
     "saved_cost",
     "tool_steps",
+    "cached_input_tokens",
+    "cache_write_tokens",
 )
 
 STABLE = (RunStatus.CLOSED, RunStatus.SUSPENDED, RunStatus.UNCERTAIN)
@@ -176,12 +178,13 @@ def run_info(row: Sequence[Any]) -> RunInfo:
 
 
 def counts_of(events: Sequence[StepEvent]) -> dict[str, Any]:
-    """What one append adds to the run index: model ``calls``, tokens (``inp``, ``out``)
-    and ``cost`` paid, read from the batch's model results, and the ``tools`` steps it
+    """What one append adds to the run index: model ``calls``, tokens (``inp``, ``out``,
+    and of the input, ``cread`` read from and ``cwrite`` written to a prompt cache) and
+    ``cost`` paid, read from the batch's model results, and the ``tools`` steps it
     starts: one ``intent`` per tool call the model asked for (a retry, ``m1.t1/2``,
     writes no intent of its own: it is another attempt of the same step).
     """
-    calls = inp = out = tools = 0
+    calls = inp = out = tools = cread = cwrite = 0
     cost = 0.0
     for event in events:
         phase = event.phase
@@ -193,8 +196,14 @@ def counts_of(events: Sequence[StepEvent]) -> dict[str, Any]:
                 calls += 1
                 usage = response.get("usage", (0, 0))
                 inp, out = inp + int(usage[0]), out + int(usage[1])
+                cache = response.get("cache")
+                if cache:
+                    cread, cwrite = cread + int(cache[0]), cwrite + int(cache[1])
                 cost += float(event.payload.get("cost") or 0.0)
-    return {"calls": calls, "inp": inp, "out": out, "cost": cost, "tools": tools}
+    return {
+        "calls": calls, "inp": inp, "out": out, "cost": cost, "tools": tools,
+        "cread": cread, "cwrite": cwrite,
+    }  # fmt: skip
 
 
 def encode_batch(events: Sequence[StepEvent]) -> tuple[str, list[Row]]:

@@ -65,6 +65,8 @@ class MemoryCheckpointer:
             output_tokens=info.output_tokens + usage["out"],
             cost=info.cost + usage["cost"],
             tool_steps=info.tool_steps + usage["tools"],
+            cached_input_tokens=info.cached_input_tokens + usage["cread"],
+            cache_write_tokens=info.cache_write_tokens + usage["cwrite"],
         )
 
     def _info(self, run_id: str) -> RunInfo:

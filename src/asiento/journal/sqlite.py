@@ -7,6 +7,7 @@ racing for the same record; there is no read-then-write check anywhere.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sqlite3
 import time
@@ -58,9 +59,10 @@ _MAX_PARKED_PER_CLAIM = 100
 
 _UPSERT_RUN = """
 INSERT INTO runs (run_id, status, events, created_at, updated_at,
-                  model_calls, input_tokens, output_tokens, cost, tool_steps)
+                  model_calls, input_tokens, output_tokens, cost, tool_steps,
+                  cached_input_tokens, cache_write_tokens)
 VALUES (:run_id, coalesce(:status, 'running'), :added, :now, :now, :calls, :inp, :out, :cost,
-        :tools)
+        :tools, :cread, :cwrite)
 ON CONFLICT (run_id) DO UPDATE SET
     status = coalesce(:status, runs.status),
     events = runs.events + :added,
@@ -69,6 +71,8 @@ ON CONFLICT (run_id) DO UPDATE SET
     tool_steps = runs.tool_steps + :tools,
     input_tokens = runs.input_tokens + :inp,
     output_tokens = runs.output_tokens + :out,
+    cached_input_tokens = runs.cached_input_tokens + :cread,
+    cache_write_tokens = runs.cache_write_tokens + :cwrite,
     cost = runs.cost + :cost,
     attempts = CASE WHEN :status IN ('closed', 'suspended', 'uncertain') THEN 0
                     ELSE runs.attempts END
@@ -83,6 +87,8 @@ UPDATE runs SET
     tool_steps = tool_steps + :tools,
     input_tokens = input_tokens + :inp,
     output_tokens = output_tokens + :out,
+    cached_input_tokens = cached_input_tokens + :cread,
+    cache_write_tokens = cache_write_tokens + :cwrite,
     cost = cost + :cost,
     attempts = CASE WHEN :status IN ('closed', 'suspended', 'uncertain') THEN 0 ELSE attempts END,
     lease_expires = :now + lease_ttl
@@ -102,8 +108,10 @@ UPDATE runs SET
     input_tokens = input_tokens + ?5,
     output_tokens = output_tokens + ?6,
     cost = cost + ?7,
+    cached_input_tokens = cached_input_tokens + ?8,
+    cache_write_tokens = cache_write_tokens + ?9,
     lease_expires = ?2 + lease_ttl
-WHERE run_id = ?8 AND fence = ?9 AND lease_owner = ?10 AND lease_expires >= ?2
+WHERE run_id = ?10 AND fence = ?11 AND lease_owner = ?12 AND lease_expires >= ?2
 """
 
 _INSERT_RECORD = "INSERT INTO journal VALUES (?, ?, ?, ?, ?, ?)"
@@ -115,7 +123,8 @@ WHERE run_id = :run_id AND fence = :token AND lease_owner = :owner AND lease_exp
 
 _RUN_COLUMNS = """run_id, status, events, created_at, updated_at, lease_owner, lease_expires,
 fence, model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
-saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps"""
+saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps,
+cached_input_tokens, cache_write_tokens"""
 
 _CLAIMABLE = """
 SELECT run_id, task, agent, attempts, reason, fence FROM runs
@@ -163,8 +172,10 @@ class SqliteCheckpointer:
             try:
                 if lease is not None and status is None:  # the lease checked and extended
                     added = (len(rows), now, counts["calls"], counts["tools"], counts["inp"])
-                    where = (counts["out"], counts["cost"], run_id, lease.token, lease.owner)
-                    if db.execute(_APPEND_LEASED_SAME_STATUS, added + where).rowcount == 0:
+                    more = (counts["out"], counts["cost"], counts["cread"], counts["cwrite"])
+                    where = (run_id, lease.token, lease.owner)
+                    row = added + more + where
+                    if db.execute(_APPEND_LEASED_SAME_STATUS, row).rowcount == 0:
                         raise lease_lost(lease)
                 else:
                     params = {"run_id": run_id, "status": status, "added": len(rows), "now": now}
@@ -457,9 +468,34 @@ def _migrate(db: sqlite3.Connection, path: Path) -> None:
             for statement in MIGRATIONS[number].split(";"):
                 if statement.strip():
                     db.execute(statement)
+            if number + 1 == 3:
+                backfill_cache_tokens(db)
             db.execute(f"PRAGMA user_version = {number + 1}")
         db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
     except BaseException:
         db.rollback()
         raise
     db.commit()
+
+
+def backfill_cache_tokens(db: sqlite3.Connection) -> None:
+    """Migration 3: each run's prompt-cache tokens, summed from its recorded model results.
+
+    Read in Python rather than with SQLite's JSON functions, which not every build
+    has. A record that cannot be read counts nothing here; ``load`` reports it.
+    """
+    totals: dict[str, tuple[int, int]] = {}
+    found = db.execute(
+        "SELECT run_id, payload FROM journal WHERE phase = 'result' AND payload LIKE '%\"cache\"%'"
+    )
+    for run_id, payload in found:
+        try:
+            read, written = json.loads(payload)["response"]["cache"]
+            before = totals.get(run_id, (0, 0))
+            totals[run_id] = (before[0] + int(read), before[1] + int(written))
+        except (ValueError, TypeError, KeyError):
+            continue
+    db.executemany(
+        "UPDATE runs SET cached_input_tokens = ?, cache_write_tokens = ? WHERE run_id = ?",
+        [(read, written, run_id) for run_id, (read, written) in totals.items()],
+    )
