@@ -44,6 +44,18 @@ def test_a_prefix_equals_hashes_pickles_and_prints_as_its_tuple() -> None:
     assert repr(prefix) == repr(frozen)
 
 
+def test_a_prefix_concatenates_into_a_tuple_as_the_tuple_did() -> None:
+    """Gateways written when ``messages`` was a tuple may add to it."""
+    items = _messages(3)
+    prefix, extra = ConversationPrefix(items, 2), Message(role="user", content="more")
+    assert prefix + (extra,) == (items[0], items[1], extra)  # noqa: RUF005
+    assert prefix + [extra] == (items[0], items[1], extra)  # noqa: RUF005
+    assert (extra,) + prefix == (extra, items[0], items[1])  # noqa: RUF005
+    assert prefix + prefix == (items[0], items[1], items[0], items[1])
+    with pytest.raises(TypeError):
+        prefix + "text"  # type: ignore[operator]
+
+
 def test_other_sequences_are_still_copied_into_a_tuple() -> None:
     items = _messages(2)
     request = ModelRequest(messages=items)

@@ -194,6 +194,17 @@ class ConversationPrefix(Sequence[Message]):
     def __hash__(self) -> int:
         return hash(tuple(self))
 
+    def __add__(self, other: object) -> tuple[Message, ...]:
+        """``request.messages + (message,)`` gives a tuple, as it did when this was one."""
+        if not isinstance(other, ConversationPrefix | tuple | list):
+            return NotImplemented
+        return (*self, *other)
+
+    def __radd__(self, other: object) -> tuple[Message, ...]:
+        if not isinstance(other, tuple | list):
+            return NotImplemented
+        return (*other, *self)
+
     def __repr__(self) -> str:
         return repr(tuple(self))
 
