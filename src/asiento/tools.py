@@ -10,9 +10,10 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import os
 import re
-import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_type_hints, overload
 
@@ -83,34 +84,42 @@ class Tool:
         return self.fn(*args, **kwargs)
 
 
-# A sync tool runs on the event loop's default executor (``asyncio.to_thread`` does the
-# same; an application that set its own executor keeps it), so a tool that blocks
-# never holds the loop, which renews the run's lease meanwhile. Most tools are done
-# within a millisecond or two: waiting that long for the thread directly skips the
-# loop's wake-up round trip (the self-pipe, a callback, a task step), 50-100 µs a call.
+# Sync tools run on threads of asiento's own, so a tool that blocks never holds the
+# event loop (which renews the run's lease meanwhile). Most tools are done within a
+# millisecond or two: waiting that long for the thread directly skips the loop's
+# wake-up round trip (the self-pipe, a callback, a task step), 50-100 µs a call. The
+# loop's default executor cannot be waited for that way: its futures are the loop's.
 _QUICK_TOOL_SECONDS = 0.002
 
 
+class _ToolThreads:
+    """The pool sync tools run on, started on first use (and again in a forked child,
+    where the parent's threads do not exist). Its size is ``ThreadPoolExecutor``'s
+    default, as for the loop's default executor: min(32, CPUs + 4)."""
+
+    def __init__(self) -> None:
+        self.pool: ThreadPoolExecutor | None = None
+
+    def get(self) -> ThreadPoolExecutor:
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(thread_name_prefix="asiento-tool")
+        return self.pool
+
+    def forget(self) -> None:
+        self.pool = None
+
+
+_threads = _ToolThreads()
+os.register_at_fork(after_in_child=_threads.forget)
+
+
 async def _in_thread(call: Callable[[], Any]) -> Any:
-    """``call()`` in the loop's executor, with the caller's context variables."""
-    context = contextvars.copy_context()
-    finished = threading.Event()
-    outcome: list[tuple[bool, Any]] = []
-
-    def run() -> None:  # never raises: the outcome is read from ``outcome``
-        try:
-            outcome.append((True, context.run(call)))
-        except BaseException as exc:
-            outcome.append((False, exc))
-        finished.set()
-
-    running = asyncio.get_running_loop().run_in_executor(None, run)
-    if not finished.wait(_QUICK_TOOL_SECONDS):
-        await running
-    ok, value = outcome[0]
-    if ok:
-        return value
-    raise value
+    """``call()`` on a tool thread, with the caller's context variables (as ``to_thread``)."""
+    future = _threads.get().submit(contextvars.copy_context().run, call)
+    try:
+        return future.result(timeout=_QUICK_TOOL_SECONDS)
+    except TimeoutError:  # still running (or the tool's own TimeoutError: raised again here)
+        return await asyncio.wrap_future(future)
 
 
 @overload
