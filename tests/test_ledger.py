@@ -15,6 +15,7 @@ from asiento import (
     Price,
     Session,
     SqliteCheckpointer,
+    Tool,
     ToolCall,
     Usage,
     UsageError,
@@ -35,6 +36,21 @@ SCRIPT = [
 ]
 
 
+def crashing_once() -> Tool:
+    """A tool that kills its pass the first time (``Boom`` passes through the loop), then
+    answers: the next pass resumes after a crash inside a tool step."""
+    crashes = [True]
+
+    @tool(idempotent=True)
+    def crash() -> str:
+        """Die once, then answer."""
+        if crashes.pop() if crashes else False:
+            raise Boom
+        return "ok"
+
+    return crash
+
+
 class Boom(BaseException):
     """Stands for the process dying inside the tool."""
 
@@ -51,14 +67,7 @@ def test_price_for_takes_the_longest_prefix() -> None:
 
 async def test_usage_and_cost_are_recorded_and_resume_reports_the_savings(tmp_path: Path) -> None:
     """Each model step records tokens and cost; a resumed pass reports what it did not pay."""
-    crashes = [True]
-
-    @tool(idempotent=True)
-    def crash() -> str:
-        """Die once, then answer."""
-        if crashes.pop() if crashes else False:
-            raise Boom
-        return "ok"
+    crash = crashing_once()
 
     agent = Agent(tools=[crash])
     store = SqliteCheckpointer(tmp_path / "runs.db")
@@ -117,14 +126,7 @@ async def test_a_record_written_before_cache_figures_still_replays(tmp_path: Pat
         ModelResponse(tool_calls=SCRIPT[0].tool_calls, usage=cached, model="gpt-x"),
         SCRIPT[1],
     ]
-    crashes = [True]
-
-    @tool(idempotent=True)
-    def crash() -> str:
-        """Die once, then answer."""
-        if crashes.pop() if crashes else False:
-            raise Boom
-        return "ok"
+    crash = crashing_once()
 
     agent, first = Agent(tools=[crash]), SqliteCheckpointer(tmp_path / "runs.db")
     with pytest.raises(Boom):
@@ -177,13 +179,13 @@ async def test_the_run_index_totals_prompt_cache_tokens(tmp_path: Path, backend:
         ModelResponse(text="done", usage=writes, model="gpt-x"),
     ]
 
-    @tool(idempotent=True)
-    def crash() -> str:
+    @tool(idempotent=True, name="crash")  # the tool SCRIPT's first answer asks for
+    def answer() -> str:
         """Answer."""
         return "ok"
 
     store = MemoryCheckpointer() if backend == "memory" else SqliteCheckpointer(tmp_path / "r.db")
-    async for _ in Agent(tools=[crash]).run(
+    async for _ in Agent(tools=[answer]).run(
         "t", session=Session("r", ScriptedGateway(script), store)
     ):
         pass

@@ -11,7 +11,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -468,8 +468,8 @@ def _migrate(db: sqlite3.Connection, path: Path) -> None:
             for statement in MIGRATIONS[number].split(";"):
                 if statement.strip():
                     db.execute(statement)
-            if number + 1 == 3:
-                backfill_cache_tokens(db)
+            if backfill := _BACKFILLS.get(number + 1):
+                backfill(db)
             db.execute(f"PRAGMA user_version = {number + 1}")
         db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
     except BaseException:
@@ -478,7 +478,7 @@ def _migrate(db: sqlite3.Connection, path: Path) -> None:
     db.commit()
 
 
-def backfill_cache_tokens(db: sqlite3.Connection) -> None:
+def _backfill_cache_tokens(db: sqlite3.Connection) -> None:
     """Migration 3: each run's prompt-cache tokens, summed from its recorded model results.
 
     Read in Python rather than with SQLite's JSON functions, which not every build
@@ -499,3 +499,7 @@ def backfill_cache_tokens(db: sqlite3.Connection) -> None:
         "UPDATE runs SET cached_input_tokens = ?, cache_write_tokens = ? WHERE run_id = ?",
         [(read, written, run_id) for run_id, (read, written) in totals.items()],
     )
+
+
+# What a migration fills in after its SQL ran, by the version it brings the file to.
+_BACKFILLS: dict[int, Callable[[sqlite3.Connection], None]] = {3: _backfill_cache_tokens}
