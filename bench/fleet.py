@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import pg_cluster
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -59,6 +58,7 @@ from asiento import (
     tool,
 )
 from asiento.testing import ScriptedGateway
+from asiento.testing.postgres import PostgresUnavailable, start_local_postgres
 
 HERE = Path(__file__).resolve()
 PAYLOAD = "x" * 250  # about what one journal record of a small step weighs
@@ -292,8 +292,8 @@ def print_table(rows: list[Row]) -> None:
 def local_server() -> Iterator[str]:
     """A PostgreSQL from pgserver's binaries in a temporary directory; its admin DSN."""
     try:
-        cluster = pg_cluster.start(max_connections=200)
-    except pg_cluster.Unavailable as exc:
+        cluster = start_local_postgres(max_connections=200)
+    except PostgresUnavailable as exc:
         raise SystemExit(str(exc)) from exc
     try:
         yield cluster.dsn

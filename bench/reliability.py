@@ -35,6 +35,7 @@ The exit code is 0 only then. PostgreSQL is started by the script (from the
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 import time
@@ -50,10 +51,10 @@ from psycopg.conninfo import make_conninfo
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hostile
-import pg_cluster
 
 from asiento.testing import sample
 from asiento.testing.harness import CrashHarness
+from asiento.testing.postgres import start_local_postgres
 from asiento.testing.report import Report
 from asiento.testserver import InvoiceServer
 
@@ -247,12 +248,12 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     cluster = None
     if not args.no_pg and args.pg_dsn is None:
-        cluster = pg_cluster.start()
+        cluster = start_local_postgres()
     try:
         with tempfile.TemporaryDirectory(prefix="asiento-reliability-", dir=args.dir) as tmp:
             root = Path(tmp)
             dsn = None if args.no_pg else (args.pg_dsn or (cluster.dsn if cluster else None))
-            restart = cluster.restart if cluster is not None else None
+            restart = None if cluster is None else functools.partial(cluster.restart, "immediate")
             backends = ["sqlite"] + ([] if dsn is None else ["postgresql"])
             stores = Stores(root, dsn)
             try:

@@ -64,7 +64,7 @@ from .conftest import (
 
 def ours(cluster: pg_server.Cluster) -> None:
     """Restarts need the server the tests started, not one ASIENTO_TEST_PG_DSN names."""
-    if cluster.base is None:
+    if cluster.local is None:
         pytest.skip(f"the tests cannot restart the server {pg_server.ENV_VAR} names")
 
 
