@@ -13,7 +13,9 @@ directory (``--dir`` to choose it; fsync costs nothing on tmpfs):
    Bytes per record and per step come from the journal table and the file size.
 2. The floor: a raw ``sqlite3`` loop with the same PRAGMAs (WAL, synchronous
    FULL / NORMAL) doing as many commits, each one INSERT of a payload of the
-   same size in ``BEGIN IMMEDIATE ... COMMIT``.
+   same size in ``BEGIN IMMEDIATE ... COMMIT``. Beside it, two more floors: asiento's
+   own statements run raw on the same records (``same_sql``), and the least Python a
+   durable step needs, written by hand on those statements (``least_python``).
 3. fsync-class syscalls per step, counted by ``strace -c`` in child processes.
 4. Scaling with the length of the run, resuming a long run, answering a closed one.
 
