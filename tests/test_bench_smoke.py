@@ -37,3 +37,7 @@ def test_quick_bench_reports_two_commits_per_model_tool_step(tmp_path: Path) -> 
     assert row["commits/step"] == "2", done.stdout
     assert row["wal_commits/step"] == "2", done.stdout
     assert "the resume paid model_calls=1 tool_calls=0" in done.stdout, done.stdout
+    for floor in ("same_sql", "least_python"):  # the floors ran (times are figures, not checks)
+        for durability in ("full", "process"):
+            row = _table_row(done.stdout, "vs_least_python", f"{floor}-{durability}")
+            assert float(row["µs/step"]) > 0, done.stdout
