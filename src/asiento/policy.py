@@ -32,7 +32,7 @@ def require_approval_for(*names: str) -> Policy:
 async def ask_policy(policy: Policy, call: ToolCall) -> Decision:
     """Ask the policy (sync or async) and refuse an answer that is not a decision."""
     answer = policy(call)
-    if inspect.isawaitable(answer):
+    if not isinstance(answer, str) and inspect.isawaitable(answer):  # an async policy
         answer = await answer
     try:
         decision = Decision(answer)
@@ -43,4 +43,4 @@ async def ask_policy(policy: Policy, call: ToolCall) -> Decision:
             f"policy returned {answer!r} for tool {call.name!r}; "
             "expected 'allow', 'deny' or 'require_approval'"
         )
-    return Decision(answer)
+    return decision

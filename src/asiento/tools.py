@@ -42,6 +42,12 @@ class Tool:
     fn: ToolFunction
     arguments_model: type[pydantic.BaseModel]
     effect: Effect | None = None
+    # Asked once: ``inspect.iscoroutinefunction`` on every call costs more than the rest
+    # of the dispatch.
+    is_async: bool = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "is_async", inspect.iscoroutinefunction(self.fn))
 
     @property
     def schema(self) -> ToolSchema:
@@ -69,7 +75,7 @@ class Tool:
 
     async def call_validated(self, kwargs: Mapping[str, Any]) -> Any:
         """``invoke`` for arguments ``validate`` already returned (validating twice costs)."""
-        if inspect.iscoroutinefunction(self.fn):
+        if self.is_async:
             return await self.fn(**kwargs)
         result = await _in_thread(functools.partial(self.fn, **kwargs))
         if inspect.isawaitable(result):
