@@ -32,10 +32,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import AsientoError
+
 __all__ = ["LocalPostgres", "PostgresUnavailable", "start_local_postgres"]
 
 
-class PostgresUnavailable(RuntimeError):
+class PostgresUnavailable(AsientoError, RuntimeError):
     """No PostgreSQL server could be started; the message says why."""
 
 
