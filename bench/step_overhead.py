@@ -33,10 +33,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import hashlib
 import inspect
 import itertools
-import json
 import os
 import shutil
 import sqlite3
@@ -67,6 +65,7 @@ from asiento import (
     Usage,
     tool,
 )
+from asiento._canonical import FingerprintChain, compact_encoder, fingerprint
 from asiento.journal import sqlite as sqlite_store
 from asiento.testing import ScriptedGateway
 
@@ -401,40 +400,38 @@ async def least_python_loop(target: Path, synchronous: str, steps: int) -> float
     """Seconds per step of the least Python a durable model+tool step needs, by hand.
 
     What asiento's design requires and nothing else: the conversation as plain
-    dicts with its chained fingerprint, the idempotency key, an awaited model
-    call, the three records of the first commit (model result, intent with the
-    arguments' fingerprint, submitted) encoded as JSON, asiento's statements,
-    the awaited tool, its result in the second commit. No validation, no typed
-    events, no replay table, no policy: a bound for any Python implementation
-    of the design, not something asiento could ship.
+    dicts with its chained fingerprint (asiento's own JSON and hash helpers), the
+    idempotency key, an awaited model call, the three records of the first commit
+    (model result, intent with the arguments' fingerprint, submitted) encoded as
+    JSON, asiento's statements, the awaited tool, its result in the second
+    commit. No validation, no typed events, no replay table, no policy: a bound
+    for any Python implementation of the design, not something asiento could ship.
     """
-    encode = json.JSONEncoder(separators=(",", ":")).encode
-    canonical = json.JSONEncoder(separators=(",", ":"), sort_keys=True).encode
+    encode = compact_encoder(sort_keys=False)
     db = sqlite3.connect(target, isolation_level=None)
     try:
         db.execute(f"PRAGMA synchronous={synchronous}")
         _leased_run(db)
         messages: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
-        chain = hashlib.sha256(canonical(messages[0]).encode()).hexdigest()
+        chain = FingerprintChain(messages[0])
         start = time.perf_counter()
         for turn in range(1, steps + 1):
-            step, fp = f"m{turn}", chain[:32]
+            step, fp = f"m{turn}", chain.value[:32]
             answer = await _least_gateway(messages, f"{RUN_ID}:{step}:{fp}")
             call = answer["tool_calls"][0]
             call["id"] = tool_step = f"{step}.t1"
             args = call["arguments"]
-            args_fp = hashlib.sha256(canonical(args).encode()).hexdigest()[:32]
             now = time.time()
             first = [
                 (RUN_ID, step, "result", None, encode({"fp": fp, "response": answer}), now),
                 (RUN_ID, tool_step, "intent", "allow",
-                 encode({"tool": "note", "args": args, "fp": args_fp}), now),
+                 encode({"tool": "note", "args": args, "fp": fingerprint(args)[:32]}), now),
                 (RUN_ID, tool_step, "submitted", None, "{}", now),
             ]  # fmt: skip
             _least_commit(db, first, (3, now, 1, 1, answer["usage"][0], 18))
             said = {"role": "assistant", "content": "", "tool_calls": answer["tool_calls"]}
             messages.append(said)
-            chain = hashlib.sha256((chain + canonical(said)).encode()).hexdigest()
+            chain.add(said)
             value = await _least_tool(**args)
             now = time.time()
             result = [
@@ -443,7 +440,7 @@ async def least_python_loop(target: Path, synchronous: str, steps: int) -> float
             _least_commit(db, result, (1, now, 0, 0, 0, 0))
             told = {"role": "tool", "content": value, "tool_call_id": tool_step, "name": "note"}
             messages.append(told)
-            chain = hashlib.sha256((chain + canonical(told)).encode()).hexdigest()
+            chain.add(told)
         elapsed = time.perf_counter() - start
     finally:
         db.close()
