@@ -20,7 +20,15 @@ from ._canonical import FingerprintChain, canonical_json, fingerprint, idem_key
 from ._crash import crash_point
 from .context import StepContext
 from .effects.base import Effect, EffectRejected, Published, Reconcile, reconcile
-from .errors import AsientoError, MaxTurnsExceeded, ReplayDivergence, UncertainEffect, UsageError
+from .errors import (
+    AsientoError,
+    LeaseLost,
+    MaxTurnsExceeded,
+    ReplayDivergence,
+    RunAbandoned,
+    UncertainEffect,
+    UsageError,
+)
 from .events import (
     FINAL_STEP_ID,
     ApprovalStep,
@@ -100,6 +108,11 @@ def _is_tool_step(step_id: str) -> bool:
     return "." in step_id
 
 
+class _Decided(Exception):
+    """A person decided the step this pass was about to wait for, after the pass read
+    the journal: the pass walks the run again from the journal instead of waiting."""
+
+
 class _Pass:
     """One pass over a run: the state derived from the journal, then what is new."""
 
@@ -113,19 +126,59 @@ class _Pass:
         self.waiting: list[Step] = []  # steps whose records are in ``pending``
         self.out: list[Step] = []  # steps whose records are durable
         self.lease: Lease | None = None
+        self.counted: set[str] = set()  # steps whose call or replay this pass counted
+        self.unrecorded: list[StepEvent] = []  # records an append refused (lease lost)
 
     async def steps(self) -> AsyncIterator[Step]:
         final = await self.store.final(self.run_id)
         if final is not None:
+            await self.session.settle_closed()
             yield self._closed(final)
             return
-        async with self.session.driving() as lease:
-            self.lease = lease
+        try:
+            async with self.session.driving() as lease:
+                self.lease = lease
+                try:
+                    async for step in self._walks():
+                        yield step
+                finally:
+                    await self._keep_what_happened()
+        except LeaseLost as exc:
+            abandoned = await self._abandonment()
+            if abandoned is None:
+                raise
+            raise abandoned from exc
+
+    async def _walks(self) -> AsyncIterator[Step]:
+        """Walk the run; walk it again from the journal when a person decided meanwhile.
+
+        Each new walk follows a decision recorded for the step the previous one was
+        about to wait for, so it gets past that step: there are at most as many
+        walks as the run has steps.
+        """
+        while True:
             try:
                 async for step in self._walk():
                     yield step
-            finally:
-                await self._keep_what_happened()
+                return
+            except _Decided:
+                for step in self._drain():
+                    yield step
+                self.chain = FingerprintChain(self.agent.head)
+                self.messages, self.journal = [], {}
+
+    async def _abandonment(self) -> RunAbandoned | None:
+        """The error for a lease lost to a person who abandoned the run, if that is what
+        happened (abandoning takes the run's fence)."""
+        try:
+            final = await self.store.final(self.run_id)
+        except AsientoError:
+            return None
+        if final is None or not final.payload.get("abandoned"):
+            return None
+        lost = {e.step_id for e in self.unrecorded if e.phase is Phase.RESULT}
+        text = str(final.payload.get("text") or "abandoned")
+        return RunAbandoned(self.run_id, text, tuple(sorted(lost - {FINAL_STEP_ID})))
 
     async def _keep_what_happened(self) -> None:
         """Closed early (the caller stopped iterating, or an error): record what already ran.
@@ -156,6 +209,7 @@ class _Pass:
         self.journal = index(await self.store.load(self.run_id))
         final = self.journal.get(FINAL_STEP_ID, {}).get(Phase.RESULT)
         if final is not None:  # closed by the session we waited for
+            await self.store.set_status(self.run_id, RunStatus.CLOSED, lease=self.lease)
             yield self._closed(final)
             return
         self._add(Message(role="user", content=self.task))
@@ -214,11 +268,19 @@ class _Pass:
                 f"the resumed run would send {fp[:12]}…",
             )
         response = ModelResponse.from_json(recorded.payload["response"])
-        self.stats.model_calls_replayed += 1
-        self.stats.input_tokens_saved += response.usage.input_tokens
-        self.stats.output_tokens_saved += response.usage.output_tokens
-        self.stats.cost_saved += float(recorded.payload.get("cost") or 0.0)
+        if self._first_time(step_id):  # a second walk replays what this pass counted
+            self.stats.model_calls_replayed += 1
+            self.stats.input_tokens_saved += response.usage.input_tokens
+            self.stats.output_tokens_saved += response.usage.output_tokens
+            self.stats.cost_saved += float(recorded.payload.get("cost") or 0.0)
         return response
+
+    def _first_time(self, step_id: str) -> bool:
+        """Whether this pass counts ``step_id`` now (a call paid, or a replay saved)."""
+        if step_id in self.counted:
+            return False
+        self.counted.add(step_id)
+        return True
 
     async def _call_model(self, step_id: str, fp: str) -> ModelResponse:
         key = model_key(self.run_id, step_id, fp)
@@ -229,6 +291,7 @@ class _Pass:
         answer = await self.session.gateway.complete(request, idempotency_key=key)
         where = f"run {self.run_id!r} step {step_id!r}"
         response = _with_call_ids(check_response(answer, where=where), step_id)
+        self.counted.add(step_id)
         self.stats.model_calls += 1
         self.stats.input_tokens += response.usage.input_tokens
         self.stats.output_tokens += response.usage.output_tokens
@@ -257,10 +320,10 @@ class _Pass:
         records = state.records
         action = decide(records, idempotent=tool.idempotent if tool else True)
         if action is Action.FEED_RESULT:
-            self.stats.tool_calls_replayed += 1
+            self.stats.tool_calls_replayed += self._first_time(step_id)
             self._feed(call, records[Phase.RESULT].payload)
         elif action is Action.FEED_RESOLUTION:
-            self.stats.tool_calls_replayed += 1
+            self.stats.tool_calls_replayed += self._first_time(step_id)
             resolution = records[Phase.RESOLUTION].payload
             self._feed(call, {"status": "ok", "value": resolution.get("result")})
         elif action is Action.START:
@@ -334,6 +397,7 @@ class _Pass:
         finally:
             context.leave(token)
         self.stats.tool_calls += 1
+        self.counted.add(state.step_id)
         crash_point("after_tool")
         decision = Decision.APPROVED if Phase.APPROVAL in records else Decision.ALLOW
         self._result(attempt_id, call, decision, outcome, step_id=state.step_id)
@@ -363,8 +427,16 @@ class _Pass:
 
     async def _uncertain(self, state: StepState, call: ToolCall, detail: str) -> None:
         await self._flush()
-        await self.store.set_status(self.run_id, RunStatus.UNCERTAIN)
+        if not await self._wait_for(RunStatus.UNCERTAIN, state.current_id, Phase.RESOLUTION):
+            raise _Decided
         raise UncertainEffect(self.run_id, state.current_id, call.name, detail)
+
+    async def _wait_for(self, status: RunStatus, step_id: str, phase: Phase) -> bool:
+        """Mark the run as waiting for a person's record, unless that record is there
+        already: a person may have decided after this pass read the journal."""
+        return await self.store.set_status(
+            self.run_id, status, lease=self.lease, waits_for=(step_id, phase)
+        )
 
     def _deny(self, step_id: str, call: ToolCall, records: Records) -> None:
         approval = records.get(Phase.APPROVAL)
@@ -376,23 +448,28 @@ class _Pass:
         self._result(step_id, call, Decision.DENIED if approval else Decision.DENY, denial)
 
     async def _suspend(self, step_id: str, call: ToolCall, intent: StepEvent) -> None:
-        self.waiting.append(
+        fp = str(intent.payload.get("fp", ""))
+        prepared = intent.payload.get("prepared")
+        steps: list[Step] = [
             ToolStep(
                 run_id=self.run_id,
                 step_id=step_id,
                 call=call,
                 decision=Decision.REQUIRE_APPROVAL,
                 status="awaiting_approval",
-            )
-        )
-        fp = str(intent.payload.get("fp", ""))
-        prepared = intent.payload.get("prepared")
-        self.waiting.append(
+            ),
             ApprovalStep(
                 run_id=self.run_id, step_id=step_id, call=call, fingerprint=fp, prepared=prepared
-            )
-        )
-        await self._flush(RunStatus.SUSPENDED)
+            ),
+        ]
+        if any(e is intent for e in self.pending):  # new: nobody can have decided on it yet
+            self.waiting.extend(steps)
+            await self._flush(RunStatus.SUSPENDED)
+            return
+        await self._flush()
+        if not await self._wait_for(RunStatus.SUSPENDED, step_id, Phase.APPROVAL):
+            raise _Decided
+        self.out.extend(steps)
 
     def _result(
         self,
@@ -445,9 +522,13 @@ class _Pass:
         if (Phase.INTENT, True) in phases:
             crash_point("before_intent")
         if events:
-            await self.store.append(*events, status=status, lease=self.lease)
+            try:
+                await self.store.append(*events, status=status, lease=self.lease)
+            except LeaseLost:
+                self.unrecorded += events
+                raise
         elif status is not None:
-            await self.store.set_status(self.run_id, status)
+            await self.store.set_status(self.run_id, status, lease=self.lease)
         if (Phase.RESULT, True) in phases:
             crash_point("after_result")
         if (Phase.RESULT, False) in phases:

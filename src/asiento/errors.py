@@ -2,6 +2,7 @@
 
     AsientoError
     ├── UsageError              the caller misused the API (bad argument, unknown run or step)
+    │   └── RunClosed           the run is closed: it takes no decision and no new record
     ├── JournalError            the journal cannot be trusted or written as asked
     │   ├── DuplicateRecord     (run_id, step_id, phase) is already recorded: a rival writer won
     │   ├── NotAJournal         the file is not an asiento journal (or not SQLite at all)
@@ -12,6 +13,7 @@
     │   ├── JournalTooNew       the journal was written by a newer asiento
     │   ├── RunLocked           another session holds the run's lease
     │   ├── LeaseLost           this session's lease expired or was taken over: it writes nothing
+    │   │   └── RunAbandoned    a person abandoned the run while this session drove it
     │   └── ReplayDivergence    the resumed run would send a different request than recorded
     └── RunError                the run cannot go on without a person
         ├── UncertainEffect     an effect was submitted and nobody knows whether it happened
@@ -30,6 +32,14 @@ class AsientoError(Exception):
 
 class UsageError(AsientoError):
     """The API was called in a way it does not support."""
+
+
+class RunClosed(UsageError):
+    """The run is closed (it answered, or a person abandoned it): nothing more is recorded.
+
+    A closed run stays closed: approving, denying or resolving one is refused and
+    writes nothing, and no worker claims it again.
+    """
 
 
 class JournalError(AsientoError):
@@ -81,6 +91,29 @@ class RunLocked(JournalError):
 
 class LeaseLost(JournalError):
     """The session's lease expired or was taken over; its writes are refused."""
+
+
+class RunAbandoned(LeaseLost):
+    """A person abandoned the run while this session drove it.
+
+    Abandoning takes the run's fence, as a takeover does: from then on this
+    session writes nothing and starts no effect. ``in_flight`` names the steps
+    whose outcome this session had and could no longer record.
+    """
+
+    def __init__(self, run_id: str, text: str, in_flight: tuple[str, ...] = ()) -> None:
+        self.run_id, self.in_flight = run_id, in_flight
+        lost = ""
+        if in_flight:
+            steps = ", ".join(repr(s) for s in in_flight)
+            lost = (
+                f" The outcome of {steps}, known to this session, is not in the journal: "
+                "the closed run records nothing more."
+            )
+        super().__init__(
+            f"run {run_id!r} was {text} while this session drove it; the session stopped "
+            f"and starts no new effect.{lost}"
+        )
 
 
 class ReplayDivergence(JournalError):

@@ -6,13 +6,32 @@ checkpointer is the run's diary, not a private store of the loop.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
+from . import lease as lease_state
 from ._crash import crash_point
-from .errors import ApprovalError, DuplicateRecord, UsageError
-from .events import FINAL_STEP_ID, Decision, Phase, RunStatus, StepEvent
+from .errors import (
+    ApprovalError,
+    AsientoError,
+    DuplicateRecord,
+    LeaseLost,
+    RunClosed,
+    RunLocked,
+    UsageError,
+)
+from .events import FINAL_STEP_ID, Decision, Lease, Phase, RunStatus, StepEvent
 from .journal.base import Checkpointer, check_id
-from .replay import index, step_state
+from .lease import Holder
+from .replay import StepState, index, step_state
+
+# How long a person's write holds the run's lease (it holds it for one transaction; if
+# the deciding process dies meanwhile, the run is free again at the latest by then).
+DECISION_TTL = 10.0
+
+log = logging.getLogger("asiento")
 
 
 async def approve(
@@ -71,6 +90,7 @@ async def _decide(
         raise ApprovalError(f"{where} is not awaiting approval")
     if Phase.APPROVAL in records:
         raise ApprovalError(f"{where} was already decided: {records[Phase.APPROVAL].decision}")
+    await _refuse_closed(store, run_id, "approved or denied")
     frozen = intent.payload.get("fp")
     if fingerprint is not None and fingerprint != frozen:
         raise ApprovalError(
@@ -85,12 +105,14 @@ async def _decide(
         payload={"approved": approved, "by": by, "reason": reason, "fp": frozen},
     )
     crash_point("during_approval")
-    try:
+    try:  # no lease needed: a pass replaying meanwhile does not overwrite the decision
         await store.append(event, status=RunStatus.RUNNING)
     except DuplicateRecord:
         raise ApprovalError(
             f"{where} was decided by someone else first; nothing recorded"
         ) from None
+    except RunClosed:
+        raise _closed_now(run_id, "approved or denied") from None
     return event
 
 
@@ -114,23 +136,40 @@ async def resolve(
     check_id("step_id", step_id)
     if not isinstance(happened, bool):
         raise UsageError("resolve(happened=...) takes True or False")
-    journal = index(await store.load(run_id))
-    state = step_state(journal, step_id.split("/", 1)[0])
-    records = state.records
-    where = f"run {run_id!r} step {state.step_id!r}"
-    if Phase.SUBMITTED not in records or Phase.RESULT in records or Phase.RESOLUTION in records:
-        raise UsageError(f"{where} is not uncertain (submitted with no recorded outcome)")
     payload = {"happened": happened, "by": by, "reason": reason, "remote_id": remote_id}
     if happened:
         payload["result"] = result if result is not None else {"remote_id": remote_id}
-    event = StepEvent(
-        run_id=run_id, step_id=state.current_id, phase=Phase.RESOLUTION, payload=payload
-    )
-    try:
-        await store.append(event, status=RunStatus.RUNNING)
-    except DuplicateRecord:
-        raise UsageError(f"{where} was resolved by someone else first; nothing recorded") from None
+    await _uncertain_state(store, run_id, step_id)
+    await _refuse_closed(store, run_id, "resolved")
+    # The run's lease, taken for this one write: a session still driving the run may
+    # record the step's own outcome yet (RunLocked), and a stale one writes nothing after.
+    async with _holding(store, run_id, busy=_driven) as lease:
+        state = await _uncertain_state(store, run_id, step_id)  # as it is under the lease
+        where = f"run {run_id!r} step {state.step_id!r}"
+        event = StepEvent(
+            run_id=run_id, step_id=state.current_id, phase=Phase.RESOLUTION, payload=payload
+        )
+        try:
+            await store.append(event, status=RunStatus.RUNNING, lease=lease)
+        except DuplicateRecord:
+            raise UsageError(
+                f"{where} was resolved by someone else first; nothing recorded"
+            ) from None
+        except LeaseLost:  # only abandoning takes the lease from a live holder
+            raise _closed_now(run_id, "resolved") from None
     return event
+
+
+async def _uncertain_state(store: Checkpointer, run_id: str, step_id: str) -> StepState:
+    """The step as replay sees it, or a ``UsageError`` if it is not uncertain."""
+    state = step_state(index(await store.load(run_id)), step_id.split("/", 1)[0])
+    records = state.records
+    if {Phase.RESULT, Phase.RESOLUTION} & records.keys() or Phase.SUBMITTED not in records:
+        raise UsageError(
+            f"run {run_id!r} step {state.step_id!r} is not uncertain "
+            "(submitted with no recorded outcome)"
+        )
+    return state
 
 
 async def unpark(store: Checkpointer, run_id: str, *, by: str, reason: str = "") -> None:
@@ -148,20 +187,72 @@ async def unpark(store: Checkpointer, run_id: str, *, by: str, reason: str = "")
 async def abandon(store: Checkpointer, run_id: str, *, by: str, reason: str) -> StepEvent:
     """Close a run that will not go on (an uncertain effect nobody can settle, say).
 
-    The run's final record says who abandoned it and why; resuming it then makes
-    no call and yields that ``FinalStep(abandoned=True)``.
+    Abandoning takes the run's fence, as a takeover does: once this returns, no new
+    effect of the run starts anywhere, and a session still driving it stops at its
+    next write with ``RunAbandoned``. The run's final record says who abandoned it
+    and why; resuming it then makes no call and yields that ``FinalStep(abandoned=True)``.
     """
     check_id("run_id", run_id)
     if not isinstance(by, str) or not by or not isinstance(reason, str) or not reason:
         raise UsageError("say who abandons the run and why: by='name', reason='...'")
     if not [r for r in await store.runs() if r.run_id == run_id]:
         raise UsageError(f"unknown run {run_id!r}")
+    if await store.final(run_id) is not None:
+        raise RunClosed(f"run {run_id!r} is closed already; nothing recorded")
     text = f"abandoned by {by}: {reason}"
     payload = {"step": "abandoned", "text": text, "abandoned": True, "by": by, "reason": reason}
     event = StepEvent(run_id=run_id, step_id=FINAL_STEP_ID, phase=Phase.RESULT, payload=payload)
-    try:
-        await store.append(event, status=RunStatus.CLOSED)
-    except DuplicateRecord:
-        raise UsageError(f"run {run_id!r} is closed already; nothing recorded") from None
-    await store.set_status(run_id, RunStatus.CLOSED, reason=text)
+    async with _holding(store, run_id, force=True) as lease:
+        try:
+            await store.append(event, status=RunStatus.CLOSED, lease=lease)
+        except DuplicateRecord:
+            raise RunClosed(f"run {run_id!r} is closed already; nothing recorded") from None
+        await store.set_status(run_id, RunStatus.CLOSED, reason=text, lease=lease)
     return event
+
+
+@asynccontextmanager
+async def _holding(
+    store: Checkpointer,
+    run_id: str,
+    *,
+    force: bool = False,
+    busy: Callable[[str, RunLocked], Exception] | None = None,
+) -> AsyncIterator[Lease]:
+    """The run's lease for one write by a person (``force``: even from a live session).
+
+    A session that holds it and is provably dead does not count: it is taken over.
+    """
+    try:
+        lease = await store.acquire(run_id, Holder.here(), ttl=DECISION_TTL, force=force)
+    except RunLocked as exc:
+        if busy is None:
+            raise
+        raise busy(run_id, exc) from None
+    try:
+        yield lease
+    finally:
+        lease_state.ended(lease.owner)
+        try:
+            await store.release(lease)
+        except AsientoError as exc:  # never hide what the write raised; it expires soon
+            log.warning("run %r: could not release a person's lease: %s", run_id, exc)
+
+
+def _driven(run_id: str, exc: RunLocked) -> UsageError:
+    return UsageError(
+        f"run {run_id!r} is being driven right now ({exc}); its step may still record an "
+        "outcome, and nothing was recorded. Resolve it once the run stops"
+    )
+
+
+async def _refuse_closed(store: Checkpointer, run_id: str, done: str) -> None:
+    if await store.final(run_id) is not None:
+        raise _closed_now(run_id, done)
+
+
+def _closed_now(run_id: str, done: str) -> RunClosed:
+    return RunClosed(
+        f"run {run_id!r} is closed: a closed run cannot be {done}, and nothing was recorded. "
+        "`asiento show` tells how it ended"
+    )

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from . import lease as lease_state
 from .errors import AsientoError, LeaseLost, RunLocked, UsageError
-from .events import Lease, Savings
+from .events import Lease, RunStatus, Savings
 from .journal.base import Checkpointer, check_id
 from .lease import Holder
 from .ledger import PriceTable
@@ -113,6 +113,23 @@ class Session:
                 await keeper
             lease_state.ended(lease.owner)
             await self._release(lease, before, clean=clean)
+
+    async def settle_closed(self) -> None:
+        """The run turned out closed: give back a lease a worker claimed for it.
+
+        The index is set to closed too (it said running, or the run would not have
+        been claimed), so no worker claims the closed run again.
+        """
+        lease, self._claimed = self._claimed, None
+        if lease is None:
+            return
+        try:
+            await self.store.set_status(self.run_id, RunStatus.CLOSED, lease=lease)
+        except AsientoError as exc:
+            log.warning("run %r: could not mark the closed run closed: %s", self.run_id, exc)
+        finally:
+            lease_state.ended(lease.owner)
+            await self._release(lease, self.stats.savings(), clean=False)
 
     async def _acquire(self) -> Lease:
         if self._claimed is not None:  # a worker claimed the run for this session

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from . import shutdown
 from .agent import Agent
-from .errors import LeaseLost, UncertainEffect, UsageError
+from .errors import LeaseLost, RunAbandoned, RunClosed, UncertainEffect, UsageError
 from .events import Claim, RunStatus
 from .journal.base import Checkpointer
 from .lease import Holder
@@ -130,6 +130,9 @@ class Worker:
             status = await self._pass(agent, claim.task, session)
         except shutdown.ShutdownRequested:
             raise
+        except RunAbandoned as exc:  # a person closed it: nothing more to do here
+            log.warning("%s", exc)
+            status = "closed"
         except LeaseLost as exc:
             log.warning("run %r: %s", run_id, exc)
             return
@@ -149,7 +152,10 @@ class Worker:
         """Note why the pass failed; the run stays claimable, and is parked if it keeps failing."""
         log.warning("run %r failed in this worker: %s", run_id, exc)
         reason = f"{type(exc).__name__}: {exc}"[:1000]
-        await self.store.set_status(run_id, RunStatus.RUNNING, reason=reason)
+        try:
+            await self.store.set_status(run_id, RunStatus.RUNNING, reason=reason)
+        except RunClosed:  # abandoned meanwhile: a closed run stays closed
+            return "closed"
         return "failed"
 
     def _count(self, status: str) -> None:

@@ -135,6 +135,8 @@ ON CONFLICT (run_id) DO UPDATE SET
     cache_write_tokens = runs.cache_write_tokens + excluded.cache_write_tokens,
     cost = runs.cost + excluded.cost,
     {_ATTEMPTS}
+WHERE runs.status <> 'closed'
+RETURNING 1
 """
 
 # The loop's append: the lease is checked, and extended, by the run's own update.
@@ -191,12 +193,20 @@ UPDATE runs SET lease_owner = NULL, lease_expires = NULL,
 WHERE run_id = %s AND fence = %s AND lease_owner = %s
 """
 
+# A closed run takes no other status; a stable one ends the count of claims.
 SET_STATUS = f"""
-UPDATE runs SET attempts = CASE WHEN status = 'parked' AND %(status)s = 'running'
-    THEN 0 ELSE attempts END,
+UPDATE runs SET attempts = CASE WHEN status = 'parked' AND %(status)s = 'running' THEN 0
+                                WHEN %(status)s IN ('closed', 'suspended', 'uncertain') THEN 0
+                                ELSE attempts END,
     status = %(status)s, updated_at = {NOW}, reason = coalesce(%(reason)s, reason)
 WHERE run_id = %(run_id)s
 """
+
+# The run's row, locked: a person's decision on the run waits for this transaction, or
+# this transaction's next statement sees that decision.
+LOCK_STATUS = "SELECT status FROM runs WHERE run_id = %s FOR UPDATE"
+
+HOLDS = "SELECT 1 FROM journal WHERE run_id = %s AND step_id = %s AND phase = %s"
 
 SUBMIT = f"""
 INSERT INTO runs (run_id, status, events, created_at, updated_at, task, agent)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from .._canonical import compact_encoder
-from ..errors import JournalCorrupt, LeaseLost, RecordTooLarge, RunLocked, UsageError
+from ..errors import JournalCorrupt, LeaseLost, RecordTooLarge, RunClosed, RunLocked, UsageError
 from ..events import Claim, Decision, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder, is_dead_here
 
@@ -28,15 +28,20 @@ class Checkpointer(Protocol):
         Raises ``DuplicateRecord`` if any ``(run_id, step_id, phase)`` is taken. With
         ``lease`` (the loop's appends), the lease is checked in the same transaction:
         a token that is no longer current, or an expired lease, raises ``LeaseLost``
-        and nothing is written; a current one is extended.
+        and nothing is written; a current one is extended. Without ``lease`` (a
+        person's decision), a run the index says is closed raises ``RunClosed`` and
+        nothing is written: a closed run stays closed.
         """
         ...
 
-    async def acquire(self, run_id: str, holder: Holder, *, ttl: float) -> Lease:
+    async def acquire(
+        self, run_id: str, holder: Holder, *, ttl: float, force: bool = False
+    ) -> Lease:
         """Take the run's lease, or raise ``RunLocked`` naming the live holder.
 
         A free or expired lease, or one whose holder is provably dead on this
-        host, is taken over and the fencing token grows.
+        host, is taken over and the fencing token grows. ``force`` takes it from
+        a live holder too (abandoning a run): that holder writes nothing more.
         """
         ...
 
@@ -67,11 +72,24 @@ class Checkpointer(Protocol):
         ...
 
     async def set_status(
-        self, run_id: str, status: RunStatus, *, reason: str | None = None
-    ) -> None:
+        self,
+        run_id: str,
+        status: RunStatus,
+        *,
+        reason: str | None = None,
+        lease: Lease | None = None,
+        waits_for: tuple[str, Phase] | None = None,
+    ) -> bool:
         """Mark a known run (uncertain, parked...) without writing a step; note why.
 
-        Setting a parked run back to running starts its claim count anew.
+        Setting a parked run back to running starts its claim count anew; a stable
+        status (closed, suspended, uncertain) ends the count. A closed run takes no
+        other status (``RunClosed``). With ``lease`` (the loop's status), the lease
+        is checked as an append checks it. With ``waits_for`` (a step id and the
+        phase of the record the run now waits for, such as a person's approval),
+        the status is set only while that record is missing, in the same
+        transaction: False means the record is there already (a person decided
+        after the pass read the journal) and nothing was changed.
         """
         ...
 
@@ -126,6 +144,13 @@ def run_locked(
     return RunLocked(
         f"run {run_id!r} is being driven by another session (pid {pid} on {host}); its lease "
         f"expires in {max(0.0, expires - now):.1f}s. Wait for it, or pass Session(wait=...)"
+    )
+
+
+def run_closed(run_id: str) -> RunClosed:
+    return RunClosed(
+        f"run {run_id!r} is closed: it takes no decision and no new record, and nothing "
+        "was written. `asiento show` tells how it ended"
     )
 
 

@@ -17,6 +17,7 @@ from .base import (
     lease_lost,
     may_take,
     parked_reason,
+    run_closed,
     run_locked,
 )
 
@@ -46,6 +47,8 @@ class MemoryCheckpointer:
         run_id, rows = encode_batch(events)
         if lease is not None:
             self._check_lease(lease)
+        elif self._info(run_id).status == RunStatus.CLOSED:
+            raise run_closed(run_id)
         for _, step_id, phase, *_ in rows:
             if (run_id, step_id, phase) in self._keys:
                 raise DuplicateRecord(run_id, step_id, phase)
@@ -87,11 +90,13 @@ class MemoryCheckpointer:
             raise lease_lost(lease)
         self._runs[lease.run_id] = dataclasses.replace(info, lease_expires=now + holding.ttl)
 
-    async def acquire(self, run_id: str, holder: Holder, *, ttl: float) -> Lease:
+    async def acquire(
+        self, run_id: str, holder: Holder, *, ttl: float, force: bool = False
+    ) -> Lease:
         info, now = self._info(run_id), time.time()
         held = self._holders.get(run_id)
         host, pid = (held.host, held.pid) if held else (None, None)
-        if not may_take(
+        if not force and not may_take(
             owner=info.lease_owner,
             host=host,
             pid=pid,
@@ -145,19 +150,32 @@ class MemoryCheckpointer:
         return next(e for e in events if e.phase == Phase.RESULT)
 
     async def set_status(
-        self, run_id: str, status: RunStatus, *, reason: str | None = None
-    ) -> None:
+        self,
+        run_id: str,
+        status: RunStatus,
+        *,
+        reason: str | None = None,
+        lease: Lease | None = None,
+        waits_for: tuple[str, Phase] | None = None,
+    ) -> bool:
         if run_id not in self._runs:
             raise UsageError(f"unknown run {run_id!r}")
-        info = self._runs[run_id]
+        if lease is not None:
+            self._check_lease(lease)
+        if waits_for is not None and (run_id, waits_for[0], Phase(waits_for[1])) in self._keys:
+            return False
+        info, status = self._runs[run_id], RunStatus(status)
+        if info.status == RunStatus.CLOSED and status != RunStatus.CLOSED:
+            raise run_closed(run_id)
         unpark = info.status == RunStatus.PARKED and status == RunStatus.RUNNING
         self._runs[run_id] = dataclasses.replace(
             info,
-            status=RunStatus(status),
+            status=status,
             updated_at=time.time(),
             reason=reason or info.reason,
-            attempts=0 if unpark else info.attempts,
+            attempts=0 if unpark or status in STABLE else info.attempts,
         )
+        return True
 
     async def submit(self, run_id: str, task: str, *, agent: str = "default") -> None:
         check_id("run_id", run_id)

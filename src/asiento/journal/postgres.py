@@ -54,6 +54,7 @@ from .base import (
     lease_lost,
     may_take,
     parked_reason,
+    run_closed,
     run_info,
     run_locked,
 )
@@ -189,7 +190,9 @@ class PostgresCheckpointer:
         self, rows: list[Row], params: dict[str, Any], lease: Lease | None, conn: Conn
     ) -> None:
         if lease is None:
-            await conn.execute(sql.UPSERT_RUN, params)
+            cur = await conn.execute(sql.UPSERT_RUN, params)
+            if await cur.fetchone() is None:
+                raise run_closed(params["run_id"])
         else:  # the lease is checked, and extended, in the append's own transaction
             cur = await conn.execute(
                 sql.APPEND_LEASED, params | {"token": lease.token, "owner": lease.owner}
@@ -214,13 +217,15 @@ class PostgresCheckpointer:
         )
         return found == [(decision, payload, created_at)]
 
-    async def acquire(self, run_id: str, holder: Holder, *, ttl: float) -> Lease:
+    async def acquire(
+        self, run_id: str, holder: Holder, *, ttl: float, force: bool = False
+    ) -> Lease:
         async def take(conn: Conn) -> Lease:
             await conn.execute(sql.CREATE_RUN, (run_id,))
             row = await _one(conn, sql.LOCK_RUN, (run_id,))
             owner, host, pid, started, expires, fence, now = row
             current = {"owner": owner, "host": host, "pid": pid, "started": started}
-            if not may_take(**current, expires=expires, holder=holder, now=now):
+            if not force and not may_take(**current, expires=expires, holder=holder, now=now):
                 raise run_locked(run_id, host, pid, expires, now)
             values = (holder.owner, holder.host, holder.pid, holder.started, now + ttl, ttl)
             await conn.execute(sql.TAKE_LEASE, (*values, fence + 1, run_id))
@@ -270,15 +275,34 @@ class PostgresCheckpointer:
         return decode_row(run_id, rows[0]) if rows else None
 
     async def set_status(
-        self, run_id: str, status: RunStatus, *, reason: str | None = None
-    ) -> None:
-        async def mark(conn: Conn) -> None:
-            params = {"status": RunStatus(status).value, "reason": reason, "run_id": run_id}
-            cur = await conn.execute(sql.SET_STATUS, params)
-            if cur.rowcount == 0:
-                raise UsageError(f"unknown run {run_id!r} in {self.where}")
+        self,
+        run_id: str,
+        status: RunStatus,
+        *,
+        reason: str | None = None,
+        lease: Lease | None = None,
+        waits_for: tuple[str, Phase] | None = None,
+    ) -> bool:
+        value = RunStatus(status).value
 
-        await self._idempotent(mark)
+        async def mark(conn: Conn) -> bool:
+            locked = await (await conn.execute(sql.LOCK_STATUS, (run_id,))).fetchone()
+            if locked is None:
+                raise UsageError(f"unknown run {run_id!r} in {self.where}")
+            if lease is not None:
+                await _check_lease(conn, lease)
+            if waits_for is not None:
+                step_id, phase = waits_for
+                found = await conn.execute(sql.HOLDS, (run_id, step_id, Phase(phase).value))
+                if await found.fetchone() is not None:
+                    return False
+            if locked[0] == RunStatus.CLOSED and value != RunStatus.CLOSED:
+                raise run_closed(run_id)
+            params = {"status": value, "reason": reason, "run_id": run_id}
+            await conn.execute(sql.SET_STATUS, params)
+            return True
+
+        return await self._idempotent(mark)
 
     async def submit(self, run_id: str, task: str, *, agent: str = "default") -> None:
         check_id("run_id", run_id)

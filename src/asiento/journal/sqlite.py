@@ -40,6 +40,7 @@ from .base import (
     lease_lost,
     may_take,
     parked_reason,
+    run_closed,
     run_info,
     run_locked,
 )
@@ -76,6 +77,7 @@ ON CONFLICT (run_id) DO UPDATE SET
     cost = runs.cost + :cost,
     attempts = CASE WHEN :status IN ('closed', 'suspended', 'uncertain') THEN 0
                     ELSE runs.attempts END
+WHERE runs.status != 'closed'
 """
 
 _APPEND_LEASED = """
@@ -125,6 +127,15 @@ _RUN_COLUMNS = """run_id, status, events, created_at, updated_at, lease_owner, l
 fence, model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
 saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps,
 cached_input_tokens, cache_write_tokens"""
+
+# A closed run takes no other status; a stable one ends the count of claims.
+_SET_STATUS = """
+UPDATE runs SET attempts = CASE WHEN status = 'parked' AND ?1 = 'running' THEN 0
+                                WHEN ?1 IN ('closed', 'suspended', 'uncertain') THEN 0
+                                ELSE attempts END,
+    status = ?1, updated_at = ?2, reason = coalesce(?3, reason)
+WHERE run_id = ?4 AND (status != 'closed' OR ?1 = 'closed')
+"""
 
 _CLAIMABLE = """
 SELECT run_id, task, agent, attempts, reason, fence FROM runs
@@ -181,7 +192,8 @@ class SqliteCheckpointer:
                     params = {"run_id": run_id, "status": status, "added": len(rows), "now": now}
                     params |= counts
                     if lease is None:
-                        db.execute(_UPSERT_RUN, params)
+                        if db.execute(_UPSERT_RUN, params).rowcount == 0:
+                            raise run_closed(run_id)
                     else:
                         params |= {"token": lease.token, "owner": lease.owner}
                         if db.execute(_APPEND_LEASED, params).rowcount == 0:
@@ -212,7 +224,9 @@ class SqliteCheckpointer:
         if self._db.execute(_CHECK_LEASE, {**params, "now": time.time()}).rowcount == 0:
             raise lease_lost(lease)
 
-    async def acquire(self, run_id: str, holder: Holder, *, ttl: float) -> Lease:
+    async def acquire(
+        self, run_id: str, holder: Holder, *, ttl: float, force: bool = False
+    ) -> Lease:
         sql = (
             "SELECT lease_owner, lease_host, lease_pid, lease_started, lease_expires, fence"
             " FROM runs WHERE run_id = ?"
@@ -229,7 +243,7 @@ class SqliteCheckpointer:
                 row = (None, None, None, None, None, 0)
             owner, host, pid, started, expires, fence = row
             current = {"owner": owner, "host": host, "pid": pid, "started": started}
-            if not may_take(**current, expires=expires, holder=holder, now=now):
+            if not force and not may_take(**current, expires=expires, holder=holder, now=now):
                 raise run_locked(run_id, host, pid, expires, now)
             self._take(run_id, holder, ttl, fence, now)
         return Lease(run_id=run_id, token=fence + 1, owner=holder.owner, expires=now + ttl)
@@ -311,17 +325,34 @@ class SqliteCheckpointer:
         return None if row is None else decode_row(run_id, row)
 
     async def set_status(
-        self, run_id: str, status: RunStatus, *, reason: str | None = None
-    ) -> None:
+        self,
+        run_id: str,
+        status: RunStatus,
+        *,
+        reason: str | None = None,
+        lease: Lease | None = None,
+        waits_for: tuple[str, Phase] | None = None,
+    ) -> bool:
+        value = RunStatus(status).value
         with self._errors(), self._transaction():
-            cur = self._db.execute(
-                "UPDATE runs SET attempts = CASE WHEN status = 'parked' AND ? = 'running'"
-                " THEN 0 ELSE attempts END, status = ?, updated_at = ?,"
-                " reason = coalesce(?, reason) WHERE run_id = ?",
-                (RunStatus(status).value, RunStatus(status).value, time.time(), reason, run_id),
-            )
+            if lease is not None:
+                self._check_lease(lease)
+            if waits_for is not None and self._holds(run_id, *waits_for):
+                return False
+            cur = self._db.execute(_SET_STATUS, (value, time.time(), reason, run_id))
             if cur.rowcount == 0:
-                raise UsageError(f"unknown run {run_id!r} in {self.path}")
+                raise self._not_markable(run_id)
+        return True
+
+    def _holds(self, run_id: str, step_id: str, phase: Phase) -> bool:
+        sql = "SELECT 1 FROM journal WHERE run_id = ? AND step_id = ? AND phase = ?"
+        return self._db.execute(sql, (run_id, step_id, Phase(phase).value)).fetchone() is not None
+
+    def _not_markable(self, run_id: str) -> UsageError:
+        """Why ``set_status`` changed no row: the run is unknown, or closed."""
+        if self._db.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone():
+            return run_closed(run_id)
+        return UsageError(f"unknown run {run_id!r} in {self.path}")
 
     async def submit(self, run_id: str, task: str, *, agent: str = "default") -> None:
         check_id("run_id", run_id)
