@@ -30,6 +30,7 @@ from asiento import (
     LeaseLost,
     MemoryCheckpointer,
     Phase,
+    RunClosed,
     RunLocked,
     RunStatus,
     Savings,
@@ -673,3 +674,87 @@ async def test_set_status_records_and_keeps_the_reason(store: Checkpointer) -> N
     await store.set_status("run-1", RunStatus.PARKED, reason="a person looks at it")
     info = await info_of(store)
     assert (info.status, info.reason) == (RunStatus.PARKED, "a person looks at it")
+
+
+# -- the index follows the journal: a person's decision, a closed run -----------------------
+
+
+async def test_waiting_status_is_set_only_while_the_awaited_record_is_missing(
+    store: Checkpointer,
+) -> None:
+    """set_status(waits_for=...) marks the run waiting, unless the record is there already."""
+    lease = await store.acquire("run-1", holder("a"), ttl=30)
+    await store.append(ev("m1.t1", Phase.INTENT, decision=Decision.REQUIRE_APPROVAL), lease=lease)
+    waits = ("m1.t1", Phase.APPROVAL)
+    assert await store.set_status("run-1", RunStatus.SUSPENDED, lease=lease, waits_for=waits)
+    assert (await info_of(store)).status is RunStatus.SUSPENDED
+    await store.append(ev("m1.t1", Phase.APPROVAL), status=RunStatus.RUNNING)  # a person
+    # A pass that read the journal before the approval must not write its older view.
+    assert not await store.set_status("run-1", RunStatus.SUSPENDED, lease=lease, waits_for=waits)
+    assert (await info_of(store)).status is RunStatus.RUNNING
+
+
+async def test_waiting_status_is_fenced_by_the_lease(store: Checkpointer) -> None:
+    """A loop's status write with a lease that was taken over changes nothing."""
+    stale = await store.acquire("run-1", holder("a"), ttl=30)
+    await store.append(ev("m1.t1", Phase.SUBMITTED), lease=stale)
+    await store.acquire("run-1", holder("b"), ttl=30, force=True)
+    with pytest.raises(LeaseLost):
+        await store.set_status(
+            "run-1", RunStatus.UNCERTAIN, lease=stale, waits_for=("m1.t1", Phase.RESOLUTION)
+        )
+    assert (await info_of(store)).status is RunStatus.RUNNING
+
+
+async def test_a_stable_status_starts_the_claim_count_anew(store: Checkpointer) -> None:
+    """set_status() to suspended or uncertain ends the run's count of claims, as append does."""
+    await store.submit("run-1", "task")
+    claim = await store.claim(holder("w"), ttl=30)
+    assert claim is not None
+    assert (await info_of(store)).attempts == 1
+    await store.set_status("run-1", RunStatus.UNCERTAIN, lease=claim.lease)
+    assert (await info_of(store)).attempts == 0
+
+
+async def test_force_takes_a_live_lease(store: Checkpointer) -> None:
+    """acquire(force=True) takes the lease from a live holder, whose appends are then refused."""
+    live = await store.acquire("run-1", holder("a"), ttl=30)
+    taken = await store.acquire("run-1", holder("b"), ttl=30, force=True)
+    assert taken.token == live.token + 1
+    with pytest.raises(LeaseLost):
+        await store.append(ev("m1"), lease=live)
+    assert await store.load("run-1") == []
+
+
+async def closed_run(store: Checkpointer) -> None:
+    await store.append(ev("m1.t1", Phase.INTENT, decision=Decision.REQUIRE_APPROVAL))
+    await store.append(ev("final", step="m1", text="abandoned"), status=RunStatus.CLOSED)
+
+
+async def test_a_closed_run_takes_no_decision(store: Checkpointer) -> None:
+    """An append without a lease (a person's decision) on a closed run writes nothing."""
+    await closed_run(store)
+    before = await store.load("run-1")
+    with pytest.raises(RunClosed, match=r"run-1.*closed"):
+        await store.append(ev("m1.t1", Phase.APPROVAL), status=RunStatus.RUNNING)
+    assert await store.load("run-1") == before
+    info = await info_of(store)
+    assert (info.status, info.events) == (RunStatus.CLOSED, len(before))
+
+
+@pytest.mark.parametrize("status", [s for s in RunStatus if s is not RunStatus.CLOSED])
+async def test_a_closed_run_takes_no_other_status(store: Checkpointer, status: RunStatus) -> None:
+    """set_status() never reopens a closed run; closed again is allowed (a reason, say)."""
+    await closed_run(store)
+    with pytest.raises(RunClosed):
+        await store.set_status("run-1", status, reason="reopen")
+    assert (await info_of(store)).status is RunStatus.CLOSED
+    assert await store.set_status("run-1", RunStatus.CLOSED, reason="abandoned by ana")
+    assert (await info_of(store)).reason == "abandoned by ana"
+
+
+async def test_a_closed_run_is_never_claimed(store: Checkpointer) -> None:
+    """A submitted run that closed is not claimed, whatever its lease."""
+    await store.submit("run-1", "task")
+    await closed_run(store)
+    assert await store.claim(holder("w"), ttl=30) is None

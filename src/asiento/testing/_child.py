@@ -11,9 +11,15 @@ child SIGKILL itself at that crash-point passage. ``once`` runs one command in
 this very interpreter (the fsync audit runs it under strace).
 
 Operations: ``run`` (one pass of the agent: until it closes, suspends, stops
-uncertain or fails), ``approve`` and ``resolve`` (what a person does between
-passes). Every outcome carries the crash-point passages the child went
+uncertain or fails), ``approve``, ``resolve`` and ``abandon`` (what a person
+does, through the API or, with ``"via": "cli"``, the ``asiento`` command),
+``submit`` (queue the run for workers) and ``work`` (a worker, until no run
+needs work). Every outcome carries the crash-point passages the child went
 through, so a dry run tells the harness which passages exist.
+
+``pause_after_load`` (a file) stops a pass with SIGSTOP right after it read the
+run's journal, its pid in that file: the decision races hold a pass there, its
+snapshot taken, while a person decides.
 """
 
 from __future__ import annotations
@@ -28,17 +34,20 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .. import harness as people
 from ..agent import Agent
-from ..errors import LeaseLost, RunLocked, UncertainEffect, UsageError
+from ..errors import AsientoError, LeaseLost, RunAbandoned, RunLocked, UncertainEffect, UsageError
 from ..events import ApprovalStep, FinalStep, Step
+from ..journal.base import Checkpointer
+from ..model import ModelRequest, ModelResponse
 from ..session import Session
 from ._files import ledger_paths
-from ._instrument import LedgerGateway, instrument
+from ._instrument import LedgerGateway, instrument, stop_here
 from ._observe import Observer, install
 from ._plants import plant
 from ._stores import is_postgres, open_checkpointer, pg_dsn
@@ -195,6 +204,8 @@ async def run_pass(child: Child, cmd: Command) -> Outcome:
     run_id = cmd["run"]
     agent, gateway = child.build(run_id, cmd)
     store = await open_checkpointer(child.config.store, child.config.application_name)
+    if cmd.get("pause_after_load"):
+        _pause_after_first_load(store, Path(cmd["pause_after_load"]))
     ttl = float(cmd.get("lease_ttl") or child.config.lease_ttl)
     session = Session(run_id, gateway, store, lease_ttl=ttl, wait=float(cmd.get("wait", 0.0)))
     task = child.config.task.replace("{run_id}", run_id)
@@ -204,6 +215,8 @@ async def run_pass(child: Child, cmd: Command) -> Outcome:
             last = step
     except UncertainEffect as exc:
         return {"outcome": "uncertain", "step": exc.step_id, "tool": exc.tool}
+    except RunAbandoned as exc:
+        return {"outcome": "abandoned", "in_flight": list(exc.in_flight), "message": str(exc)}
     except LeaseLost as exc:
         return {"outcome": "lease_lost", "message": str(exc)[:400]}
     except RunLocked as exc:
@@ -217,13 +230,36 @@ async def run_pass(child: Child, cmd: Command) -> Outcome:
     raise RuntimeError(f"the pass ended on {last!r}")
 
 
+def _pause_after_first_load(store: Checkpointer, marker: Path) -> None:
+    """Stop this process once, right after its first ``load``: the pass holds its snapshot."""
+    original = store.load
+    paused: list[bool] = []
+
+    async def load(run_id: str) -> Any:
+        events = await original(run_id)
+        if not paused:
+            paused.append(True)
+            stop_here(marker)
+        return events
+
+    store.load = load  # type: ignore[method-assign]
+
+
 async def approve(child: Child, cmd: Command) -> Outcome:
     """What a person does with a suspended run: approve exactly what was shown."""
+    if cmd.get("via") == "cli":
+        args = ["approve", cmd["run"], cmd["step"], "--by", PERSON]
+        args += ["--fingerprint", cmd["fingerprint"]] if cmd.get("fingerprint") else []
+        return _cli(child, args, {"outcome": "approved", "step": cmd["step"]})
     store = await open_checkpointer(child.config.store, child.config.application_name)
     try:
         await people.approve(
             store, cmd["run"], cmd["step"], by=PERSON, fingerprint=cmd.get("fingerprint")
         )
+    except AsientoError as exc:
+        if not cmd.get("may_refuse"):
+            raise
+        return _refused(exc)
     finally:
         await store.close()
     return {"outcome": "approved", "step": cmd["step"]}
@@ -231,12 +267,113 @@ async def approve(child: Child, cmd: Command) -> Outcome:
 
 async def resolve(child: Child, cmd: Command) -> Outcome:
     """What a person does after looking at the destination of an uncertain effect."""
+    done = {"outcome": "resolved", "step": cmd["step"], "happened": cmd["happened"]}
+    if cmd.get("via") == "cli":
+        found = "--happened" if cmd["happened"] else "--not-happened"
+        return _cli(child, ["resolve", cmd["run"], cmd["step"], found, "--by", PERSON], done)
     store = await open_checkpointer(child.config.store, child.config.application_name)
     try:
         await people.resolve(store, cmd["run"], cmd["step"], happened=cmd["happened"], by=PERSON)
+    except AsientoError as exc:
+        if not cmd.get("may_refuse"):
+            raise
+        return _refused(exc)
     finally:
         await store.close()
-    return {"outcome": "resolved", "step": cmd["step"], "happened": cmd["happened"]}
+    return done
+
+
+async def abandon(child: Child, cmd: Command) -> Outcome:
+    """A person closes the run (while a pass may drive it)."""
+    if cmd.get("via") == "cli":
+        args = ["abandon", cmd["run"], "--by", PERSON, "--reason", "the harness gave up"]
+        out = _cli(child, args, {"outcome": "abandoned"})
+    else:
+        store = await open_checkpointer(child.config.store, child.config.application_name)
+        try:
+            await people.abandon(store, cmd["run"], by=PERSON, reason="the harness gave up")
+            out = {"outcome": "abandoned"}
+        except AsientoError as exc:
+            out = _refused(exc)
+        finally:
+            await store.close()
+    return out | {"at": time.time()}  # when it returned: no effect of the run may start after
+
+
+def _cli(child: Child, args: list[str], done: Outcome) -> Outcome:
+    """Run an ``asiento`` command in this process, as a person would type it."""
+    import click
+
+    from ..cli import main
+
+    try:
+        main.main([*args, "--store", child.config.store], standalone_mode=False)
+    except click.ClickException as exc:
+        return {"outcome": "refused", "message": exc.format_message()[:400]}
+    return done
+
+
+def _refused(exc: AsientoError) -> Outcome:
+    return {"outcome": "refused", "type": type(exc).__name__, "message": str(exc)[:400]}
+
+
+async def submit(child: Child, cmd: Command) -> Outcome:
+    """Queue the run for workers, driven by the agent named after the run."""
+    store = await open_checkpointer(child.config.store, child.config.application_name)
+    try:
+        task = child.config.task.replace("{run_id}", cmd["run"])
+        await store.submit(cmd["run"], task, agent=cmd["run"])
+    finally:
+        await store.close()
+    return {"outcome": "submitted"}
+
+
+async def work(child: Child, cmd: Command) -> Outcome:
+    """A worker, until no run needs work: it drains what a person's decision left running."""
+    from ..worker import App, Worker
+
+    store = await open_checkpointer(child.config.store, child.config.application_name)
+    app = App(
+        agents=_AgentsByRun(child), gateway=_GatewayByRun(child), lease_ttl=child.config.lease_ttl
+    )
+    worker = Worker(store, app, poll=0.01)
+    try:
+        await worker.run(until_idle=True, max_seconds=float(cmd.get("max_seconds", 60.0)))
+    finally:
+        await store.close()
+    stats = worker.stats
+    counts = {k: getattr(stats, k) for k in ("claimed", "closed", "suspended", "uncertain")}
+    return {"outcome": "worked", "runs": list(stats.runs), **counts, "failed": stats.failed}
+
+
+class _AgentsByRun(Mapping[str, Agent]):
+    """The harness submits each run under an agent named after it: its instrumented agent."""
+
+    def __init__(self, child: Child) -> None:
+        self.child = child
+
+    def __getitem__(self, run_id: str) -> Agent:
+        return self.child.build(run_id, {})[0]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+class _GatewayByRun:
+    """One gateway for a worker: each request goes to the ledger of its run (from its key)."""
+
+    def __init__(self, child: Child) -> None:
+        self.child = child
+        self.gateways: dict[str, LedgerGateway] = {}
+
+    async def complete(self, request: ModelRequest, *, idempotency_key: str) -> ModelResponse:
+        run_id = idempotency_key.rsplit(":", 2)[0]
+        if run_id not in self.gateways:
+            self.gateways[run_id] = self.child.build(run_id, {})[1]
+        return await self.gateways[run_id].complete(request, idempotency_key=idempotency_key)
 
 
 async def describe(child: Child, cmd: Command) -> Outcome:
@@ -259,6 +396,9 @@ OPS: dict[str, Callable[[Child, Command], Coroutine[Any, Any, Outcome]]] = {
     "run": run_pass,
     "approve": approve,
     "resolve": resolve,
+    "abandon": abandon,
+    "submit": submit,
+    "work": work,
     "describe": describe,
 }
 

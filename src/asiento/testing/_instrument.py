@@ -1,9 +1,10 @@
 """What the harness wraps around a user's agent in the child, to witness it from outside.
 
 - each plain tool appends an fsynced line to the run's effect ledger (run,
-  step, attempt, tool, idempotent, pid) and passes ``inside_tool`` before the
-  user's function runs: the line *is* the effect, as far as the oracle knows,
-  so a line is never missing for an effect that happened;
+  step, attempt, tool, idempotent, pid, and the time it started: ``at``) and
+  passes ``inside_tool`` before the user's function runs: the line *is* the
+  effect, as far as the oracle knows, so a line is never missing for an effect
+  that happened;
 - each effect (``Effect`` subclass) does the same before ``publish``;
 - the gateway appends a line (run, idempotency key, pid) before every request:
   one line per billable generation, as the model server would count them.
@@ -18,6 +19,7 @@ import dataclasses
 import inspect
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,7 @@ def _note(effects: Path, tool: Tool, kind: str) -> None:
         "idempotent": tool.idempotent,
         "kind": kind,
         "pid": os.getpid(),
+        "at": time.time(),
     }
     append_line(effects, line)
     _crash.crash_point("inside_tool")
@@ -129,8 +132,12 @@ class LedgerGateway:
         line = {"run": self.run_id, "key": idempotency_key, "pid": os.getpid()}
         append_line(self.models, line)
         if self.requests == self.pause_at and self.pause_file:
-            marker = Path(self.pause_file)
-            marker.with_suffix(".tmp").write_text(str(os.getpid()))
-            os.replace(marker.with_suffix(".tmp"), marker)  # the parent never reads half of it
-            os.kill(os.getpid(), signal.SIGSTOP)
+            stop_here(Path(self.pause_file))
         return await self.inner.complete(request, idempotency_key=idempotency_key)
+
+
+def stop_here(marker: Path) -> None:
+    """Write this process's pid to ``marker``, then stop with SIGSTOP until continued."""
+    marker.with_suffix(".tmp").write_text(str(os.getpid()))
+    os.replace(marker.with_suffix(".tmp"), marker)  # the parent never reads half of it
+    os.kill(os.getpid(), signal.SIGSTOP)
