@@ -147,6 +147,10 @@ class Child:
         """Run ``cmd``; the exit code is 0 for any outcome but an unexpected error."""
         self.observer.reset(cmd.get("crash"))
         self.hook_errors = []
+        if cmd.get("pause_point") and cmd.get("pause_file"):
+            name, _, nth = str(cmd["pause_point"]).partition("@")
+            marker = Path(cmd["pause_file"])
+            self.observer.hooks[(name, int(nth or 1))] = lambda: stop_here(marker)
         if cmd.get("pg_cut") is not None:
             cut = cmd["pg_cut"]
             self.observer.hooks[("inside_commit", int(cut["at"]))] = self._cutter(cut.get("delay"))

@@ -10,6 +10,10 @@ start-up (never the library a user imports):
   holder whose lease was taken over still writes.
 - ``no_dir_fsync``: ``write_atomic`` renames without fsyncing the directory,
   so the rename itself would not survive a power cut.
+- ``stale_status``: the loop writes its status (suspended, uncertain) as it saw
+  it when it read the journal, unfenced, over a decision a person made since.
+- ``unfenced_abandon``: abandoning writes the final record without taking the
+  run's fence, so a session still driving the run goes on.
 """
 
 from __future__ import annotations
@@ -18,16 +22,21 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-PLANTS = ("no_write_ahead", "no_fencing", "no_dir_fsync")
+PLANTS = ("no_write_ahead", "no_fencing", "no_dir_fsync", "stale_status", "unfenced_abandon")
 
 
 def plant(name: str, *, postgres: bool = False) -> None:
     """Apply one planted bug to this process."""
     if name not in PLANTS:
         raise ValueError(f"unknown plant {name!r}; known: {', '.join(PLANTS)}")
-    {"no_write_ahead": _no_write_ahead, "no_fencing": _no_fencing, "no_dir_fsync": _no_dir_fsync}[
-        name
-    ](postgres)
+    planted: dict[str, Callable[[bool], None]] = {
+        "no_write_ahead": _no_write_ahead,
+        "no_fencing": _no_fencing,
+        "no_dir_fsync": _no_dir_fsync,
+        "stale_status": _stale_status,
+        "unfenced_abandon": _unfenced_abandon,
+    }
+    planted[name](postgres)
 
 
 def _no_write_ahead(postgres: bool) -> None:
@@ -71,3 +80,31 @@ def _no_dir_fsync(postgres: bool) -> None:
         """The bug: the rename is left in the page cache."""
 
     files._fsync_directory = skip
+
+
+def _stale_status(postgres: bool) -> None:
+    from .. import agent
+    from ..events import Phase, RunStatus
+
+    async def wait_for(self: Any, status: RunStatus, step_id: str, phase: Phase) -> bool:
+        await self.store.set_status(self.run_id, status)  # the bug: no fence, no condition
+        return True
+
+    agent._Pass._wait_for = wait_for  # type: ignore[method-assign]
+
+
+def _unfenced_abandon(postgres: bool) -> None:
+    from .. import harness
+    from ..events import FINAL_STEP_ID, Phase, RunStatus, StepEvent
+
+    async def abandon(store: Any, run_id: str, *, by: str, reason: str) -> StepEvent:
+        text = f"abandoned by {by}: {reason}"
+        payload = {"step": "abandoned", "text": text, "abandoned": True, "by": by}
+        event = StepEvent(run_id=run_id, step_id=FINAL_STEP_ID, phase=Phase.RESULT, payload=payload)
+        await store.append(event, status=RunStatus.CLOSED)  # the bug: the fence stays
+        return event
+
+    from .. import cli
+
+    harness.abandon = abandon
+    cli.abandon_run = abandon  # type: ignore[attr-defined]  # bound when cli was imported

@@ -293,6 +293,32 @@ class CrashHarness:
         chosen = seed if seed is not None else self.seed
         return lease_race(self, trials, chosen if chosen is not None else time.time_ns() % 2**32)
 
+    def decision_race(
+        self,
+        trials: int = 20,
+        *,
+        seed: int | None = None,
+        kinds: Sequence[str] = ("approve", "resolve"),
+    ) -> Report:
+        """People deciding while a pass resumes the run: no decision is ever overwritten.
+
+        ``trials`` races of each kind (approvals, resolutions), through the API and the
+        ``asiento`` command, the deciding process sometimes killed; then a worker drains.
+        """
+        from ._decisions import decision_race
+
+        chosen = seed if seed is not None else self.seed
+        return decision_race(
+            self, trials, chosen if chosen is not None else time.time_ns() % 2**32, tuple(kinds)
+        )
+
+    def abandon_race(self, trials: int = 20, *, seed: int | None = None) -> Report:
+        """Runs abandoned while a pass drives them: once abandon returns, nothing more starts."""
+        from ._decisions import abandon_race
+
+        chosen = seed if seed is not None else self.seed
+        return abandon_race(self, trials, chosen if chosen is not None else time.time_ns() % 2**32)
+
     def fsync_audit(self) -> Report:
         """Under strace: every rename of ``write_atomic`` is followed by a directory fsync."""
         from ._audit import fsync_audit

@@ -26,6 +26,20 @@ The invariants (``INVARIANTS``):
 - ``run_ends``: every pass that was not killed ends closed, suspended,
   uncertain or parked (or lost its lease, in a race) and the run index says
   so; every run is driven to such an end; a closed run is only answered.
+- ``index_follows``: after every operation, killed or not, the run index does
+  not contradict the journal: closed exactly when the final record is there,
+  suspended only while a step awaits a person's approval, uncertain only while
+  a step is submitted with no outcome. A person's decision that a pass
+  overwrote with its older view breaks it: nobody would claim the run again.
+- ``approved_first``: a tool step that needs approval runs only after a
+  person approved exactly its frozen arguments.
+- ``abandon_stops``: once abandoning a run returned, the pass that drove it
+  writes nothing more, starts no effect and says it was abandoned; no worker
+  claims the closed run.
+
+Operations of kind ``race`` (a pass and a person at once) and ``work`` (a
+worker draining the store) are checked by what holds whatever the order:
+nothing recorded is asked or run again, the index follows the journal.
 
 A violation is data (``Violation``), never an assert: campaigns count them.
 """
@@ -45,6 +59,9 @@ INVARIANTS = (
     "stale_writes_nothing",
     "integrity",
     "run_ends",
+    "index_follows",
+    "approved_first",
+    "abandon_stops",
 )
 
 # decision, payload, created_at
@@ -61,7 +78,13 @@ STATUS_AFTER = {
     "uncertain": "uncertain",
     "approved": "running",
     "resolved": "running",
+    "abandoned": "closed",
+    "submitted": "running",
 }
+# Operations whose records or effects may interleave with another's (a race), or that
+# drive whichever runs need work (a worker): only order-free checks apply to them.
+CONCURRENT_OPS = frozenset({"race", "work"})
+PASS_OPS = frozenset({"run", *CONCURRENT_OPS})
 # Errors a pass may end with when the harness cut its database under it.
 INFRA_ERRORS = frozenset({"JournalError", "JournalBusy"})
 _MODEL_STEP = re.compile(r"m\d+")
@@ -233,14 +256,17 @@ def recorded_keys(run_id: str, journal: Journal) -> set[str]:
 def check_run(history: RunHistory, tools: Mapping[str, ToolInfo]) -> list[Violation]:
     """Every broken promise the ledgers and the journal show for one run."""
     found = _effects_once(history, tools) + _structure(history.run_id, history.final)
+    found += _approved_first(history)
     for index, op in enumerate(history.ops):
         effects, models = _added(history, index)
-        after = (
-            history.ops[index + 1].status_before
-            if index + 1 < len(history.ops)
-            else history.final_status
-        )
+        later = index + 1 < len(history.ops)
+        after = history.ops[index + 1].status_before if later else history.final_status
         where = f"op #{index} {op.op} fault={op.fault}"
+        contradiction = index_contradiction(
+            history.ops[index + 1].before if later else history.final, after
+        )
+        if contradiction is not None:
+            found.append(_violation(history, "index_follows", f"after {where}: {contradiction}"))
         checks = _op_checks(
             history.run_id,
             op,
@@ -333,7 +359,7 @@ def _op_checks(
     late: Journal | None = None,
 ) -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
-    if op.op != "run" and (effects or models):
+    if op.op not in PASS_OPS and (effects or models):
         found.append(("effect_once", f"{op.op} ran tools or the model: {[*effects, *models]}"))
     for line in effects:
         if outcome_known(op.before, str(line["step"])):
@@ -348,7 +374,7 @@ def _op_checks(
     # both views, and an UncertainEffect is justified by either.
     seen = uncertain if late is None else uncertain_steps(late, tools, op.started)
     surely = uncertain & seen
-    if surely and (effects or models):
+    if surely and (effects or models) and op.op != "race":  # a person may settle it meanwhile
         message = f"went on past uncertain {sorted(surely)}: {[*effects, *models]}"
         found.append(("effect_once", message))
     if op.op == "run" and not op.killed:
@@ -356,7 +382,8 @@ def _op_checks(
         answered = op.outcome == "closed" and (op.out or {}).get("replayed")
         if "final" in op.before and not answered and not _excused(op):
             found.append(("run_ends", f"a closed run was not only answered: {op.out}"))
-    found += [("run_ends", m) for m in _ended_well(op, status_after)]
+    if op.op not in CONCURRENT_OPS:
+        found += [("run_ends", m) for m in _ended_well(op, status_after)]
     return found
 
 
@@ -383,7 +410,7 @@ def _excused(op: Op) -> bool:
 
 
 def _ended_well(op: Op, status_after: str | None) -> list[str]:
-    if op.killed or _excused(op):
+    if op.killed or _excused(op) or op.outcome == "refused":
         return []
     outcome = op.outcome
     if outcome not in STATUS_AFTER:
@@ -429,6 +456,65 @@ def _done_by_itself(journal: Journal, step: str) -> bool:
         if result is not None and result[1].get("status") == "ok":
             return result[1].get("via") != "lookup"
     return False
+
+
+def _approved_first(history: RunHistory) -> list[Violation]:
+    """Every run of a step that needed approval came after its approval, of its arguments."""
+    found = []
+    for line in history.effects:
+        step = str(line["step"])
+        phases = history.final.get(step, {})
+        intent = phases.get("intent")
+        if intent is None or intent[0] != "require_approval":
+            continue
+        approval = phases.get("approval")
+        if approval is None or approval[0] != "approved":
+            message = f"{line['tool']} ran for {step}, which no person approved"
+        elif approval[1].get("fp") != intent[1].get("fp"):
+            message = f"{line['tool']} ran for {step}, approved for other arguments"
+        elif "at" in line and float(line["at"]) < approval[2]:
+            message = f"{line['tool']} ran for {step} before it was approved"
+        else:
+            continue
+        found.append(_violation(history, "approved_first", message))
+    return found
+
+
+def index_contradiction(journal: Journal, status: str | None) -> str | None:
+    """Why the run index's ``status`` contradicts ``journal``, or None if it does not."""
+    if status is None:  # no record of the run yet
+        return None
+    closed = "result" in journal.get("final", {})
+    if closed != (status == "closed"):
+        held = "holds" if closed else "has no"
+        return f"the index says {status}, and the journal {held} the final record"
+    if status == "suspended" and not awaiting_approval(journal):
+        return "the index says suspended, but no step awaits approval: nobody claims the run"
+    if status == "uncertain" and not unsettled(journal):
+        return "the index says uncertain, but every submitted step has its outcome"
+    return None
+
+
+def awaiting_approval(journal: Journal) -> list[str]:
+    """The tool steps whose intent needs approval and that no person decided yet."""
+    return [
+        step
+        for step, phases in journal.items()
+        if is_tool_step(step)
+        and "approval" not in phases
+        and phases.get("intent", (None,))[0] == "require_approval"
+    ]
+
+
+def unsettled(journal: Journal) -> list[str]:
+    """The latest attempts that were submitted and have neither a result nor a resolution."""
+    found = []
+    for step in [s for s in journal if is_tool_step(s)]:
+        latest = attempts(journal, step)[-1]
+        phases = journal.get(latest, {})
+        if "submitted" in phases and not {"result", "resolution"} & phases.keys():
+            found.append(latest)
+    return found
 
 
 def _structure(run_id: str, journal: Journal) -> list[Violation]:
