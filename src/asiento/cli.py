@@ -1,7 +1,8 @@
 """The ``asiento`` command: look at a journal, decide for it, and run its servers.
 
 Every command on a journal takes ``--store PATH_OR_URL`` (an SQLite file,
-``sqlite:///path.db`` or ``postgresql://...``; default ``./runs.db``) and goes
+``sqlite:///path.db``, ``postgresql://...`` or a libpq keyword string such as
+``host=/tmp dbname=x``: whatever ``open_store`` takes; default ``./runs.db``) and goes
 through the public API: ``open_store``, the ``Checkpointer`` protocol,
 ``approve``, ``deny``, ``resolve``. None touches the database directly, and none
 creates a journal: a missing SQLite file is an error. Any asiento error is one
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 
 from . import _cli_format as fmt
@@ -47,7 +49,10 @@ store_option = click.option(
     envvar="ASIENTO_STORE",
     show_envvar=True,
     metavar="PATH_OR_URL",
-    help="The journal: an SQLite file, sqlite:///path.db, or postgresql://... (never created).",
+    help=(
+        "The journal: an SQLite file (never created), sqlite:///path.db, postgresql://... "
+        "or a libpq keyword string (host=... dbname=...)."
+    ),
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 by_option = click.option("--by", required=True, help="Who decides (recorded in the journal).")
@@ -189,8 +194,15 @@ def show(run_id: str, store: str, as_json: bool) -> None:
 
 
 def _hint_store(store: str) -> str:
-    """The --store part of a suggested command (empty for the default store)."""
-    return "" if store == fmt.DEFAULT_STORE else f" --store {shlex.quote(store)}"
+    """The --store part of a suggested command, its password hidden.
+
+    Empty when the next command finds the same store by itself: the default, or
+    $ASIENTO_STORE (which may be how a password stays off the command line).
+    """
+    source = click.get_current_context().get_parameter_source("store")
+    if store == fmt.DEFAULT_STORE or source == ParameterSource.ENVIRONMENT:
+        return ""
+    return f" --store {shlex.quote(fmt.shown_url(store))}"
 
 
 # -- deciding ------------------------------------------------------------------------------
