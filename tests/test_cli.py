@@ -772,23 +772,28 @@ async def test_graceful_stops_do_not_park_a_run_that_makes_progress(tmp_path: Pa
 
 
 async def test_serve_prints_a_token_that_opens_the_page(tmp_path: Path) -> None:
-    """`serve --port 0` prints its URL and a generated token that logs in; a wrong one does not."""
+    """`serve --port 0` prints its URL, a generated token and its mode; the page is shown
+    only after logging in with that token, not a wrong one."""
     await suspended(tmp_path / "runs.db", "run-1")
     argv = [sys.executable, "-m", "asiento", "serve", "--port", "0"]
     proc = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stderr=subprocess.PIPE, text=True)
     try:
-        url, token = first_lines(proc, 2)
+        url, token, mode = first_lines(proc, 3)
         assert url.startswith("asiento serve: http://127.0.0.1:")
         assert url.endswith("(journal runs.db)")
+        assert mode == "mode: every page and /api/ answer needs the token"
         base, secret = url.split()[2], token.split()[1]
         assert len(secret) >= 24
         with httpx.Client(base_url=base, timeout=30) as client:
-            assert "run-1" in client.get("/").text
+            anonymous = client.get("/")
             wrong = client.post("/login", data={"by": "ana", "token": secret + "x"})
             right = client.post(
                 "/login", data={"by": "ana", "token": secret}, follow_redirects=False
             )
-        assert (wrong.status_code, right.status_code) == (401, 303)
+            listing = client.get("/")
+        assert (anonymous.status_code, wrong.status_code, right.status_code) == (401, 401, 303)
+        assert "run-1" not in anonymous.text
+        assert "run-1" in listing.text
     finally:
         proc.terminate()
         proc.communicate(timeout=30)

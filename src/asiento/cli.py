@@ -353,21 +353,40 @@ def unpark(run_id: str, by: str, reason: str, store: str) -> None:
     multiple=True,
     help="Another Host name the page answers to (behind a proxy); repeat for several.",
 )
-def serve(store: str, host: str, port: int, allowed_hosts: tuple[str, ...]) -> None:
+@click.option(
+    "--open-reading",
+    is_flag=True,
+    help=(
+        "Let anyone on this machine read the page without the token: only on a "
+        "loopback --host, not with --allowed-host. Writing still needs the token."
+    ),
+)
+def serve(
+    store: str, host: str, port: int, allowed_hosts: tuple[str, ...], open_reading: bool
+) -> None:
     """Serve the web page for operators: runs, timelines, decisions.
 
-    Approve, deny and resolve buttons write the same records as the commands.
+    Approve, deny and resolve buttons write the same records as the commands;
+    /api/runs and /api/runs/RUN answer what runs --json and show --json print.
 
-    Needs the web extra (pip install 'asiento[web]'). Reading is open to whoever
-    reaches the port; every write needs the token, taken from $ASIENTO_WEB_TOKEN
-    or generated and printed at start.
+    Needs the web extra (pip install 'asiento[web]'). Every page and every JSON
+    answer needs the token (run data holds personal data), taken from
+    $ASIENTO_WEB_TOKEN or generated and printed at start: a person logs in with
+    it, a script sends Authorization: Bearer TOKEN. --open-reading opens reading
+    (never writing) to this machine only.
     """
     try:
+        from .web import check_open_reading
         from .web import serve as serve_web
     except ImportError as exc:
         raise CommandError(
             f"asiento serve needs the web extra: pip install 'asiento[web]' ({exc})"
         ) from None
+    if open_reading:
+        try:
+            check_open_reading(host, allowed_hosts)
+        except UsageError as exc:
+            raise CommandError(str(exc)) from None
     with_store(store, lambda journal: journal.runs())  # a clear error now, not in the server
     token = os.environ.get(TOKEN_ENV, "")
     if token and len(token) < MIN_TOKEN:
@@ -381,6 +400,7 @@ def serve(store: str, host: str, port: int, allowed_hosts: tuple[str, ...]) -> N
         port=port,
         allowed_hosts=allowed_hosts,
         token_shown=shown or token,
+        open_reading=open_reading,
     )
 
 
