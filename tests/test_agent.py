@@ -412,14 +412,47 @@ async def test_gateway_garbage_is_a_usage_error_and_records_nothing(journal: Jou
 async def test_tool_arguments_that_are_not_json_are_a_usage_error(journal: Journal) -> None:
     """Arguments a gateway built from Python objects JSON cannot hold are refused by name."""
     calls: list[str] = []
-    for arguments in ({"text": {"a", "b"}}, {"text": float("nan")}):
-        bad = ScriptedGateway(
-            [ModelResponse(tool_calls=[ToolCall(name="echo", arguments=arguments)])]
-        )
-        with pytest.raises(UsageError, match="tool call 'echo' has arguments that are not JSON"):
-            await drive(echo_agent(calls), bad, journal.open())
+    bad = ScriptedGateway(
+        [ModelResponse(tool_calls=[ToolCall(name="echo", arguments={"text": {"a", "b"}})])]
+    )
+    with pytest.raises(UsageError, match="tool call 'echo' has arguments that are not JSON"):
+        await drive(echo_agent(calls), bad, journal.open())
     assert calls == []
     assert await journal.open().load_step(RUN, "m1") == []
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (float("nan"), "argument 'text' holds NaN, which JSON cannot carry"),
+        (
+            [1.0, float("-inf")],
+            "argument 'text' holds -Infinity (at text[1]), which JSON cannot carry",
+        ),
+        (
+            {"n": 10**4400},
+            "argument 'text' holds an integer with more than 4300 digits (at text.n), which "
+            "exceeds Python's limit of 4300 digits for int/str conversion",
+        ),
+    ],
+    ids=["nan", "minus-infinity-in-a-list", "long-int-in-a-dict"],
+)
+async def test_arguments_json_cannot_carry_are_the_steps_recorded_outcome(
+    journal: Journal, value: Any, said: str
+) -> None:
+    """A gateway's call holding NaN or a too-long int is recorded with its problem, not run."""
+    calls: list[str] = []
+    gateway = ScriptedGateway(
+        [ModelResponse(tool_calls=[ToolCall(name="echo", arguments={"text": value})]), done()]
+    )
+    steps = await drive(echo_agent(calls), gateway, journal.open())
+    assert calls == []
+    [tool_step] = [s for s in steps if isinstance(s, ToolStep)]
+    assert (tool_step.status, tool_step.result, tool_step.call.problem) == ("error", said, said)
+    assert gateway.calls[1][0].messages[-1].content == f"error: {said}"
+    again = ScriptedGateway([])
+    assert isinstance((await drive(echo_agent(calls), again, journal.open()))[-1], FinalStep)
+    assert again.calls == []
 
 
 # -- 13. sync and async tools, async policy ------------------------------------------

@@ -38,6 +38,7 @@ from asiento import (
     ToolStep,
     UncertainEffect,
     Usage,
+    UsageError,
     Worker,
     open_store,
     require_approval_for,
@@ -45,6 +46,7 @@ from asiento import (
     submit,
     tool,
 )
+from asiento.journal.url import address_of, shown
 from asiento.testing import ScriptedGateway
 from web.runs import book, closed_with_effect
 from web.runs import uncertain as priced_uncertain
@@ -82,8 +84,11 @@ def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str)
         assert needle in proc.stderr
 
 
-async def drive(db: Path, run_id: str, *, dies: bool = False) -> tuple[list[Step], int]:
-    """One pass of a payment run that needs approval (or dies inside an uncertain tool)."""
+async def drive(db: Path | str, run_id: str, *, dies: bool = False) -> tuple[list[Step], int]:
+    """One pass of a payment run that needs approval (or dies inside an uncertain tool).
+
+    ``db`` is an SQLite file, or any other store string ``open_store`` takes.
+    """
     executions = []
 
     @tool
@@ -96,7 +101,7 @@ async def drive(db: Path, run_id: str, *, dies: bool = False) -> tuple[list[Step
 
     policy = None if dies else require_approval_for("pay")
     agent = Agent(tools=[pay], policy=policy)
-    store = SqliteCheckpointer(db)
+    store = await open_store(db)
     try:
         session = Session(run_id, ScriptedGateway(SCRIPT), store)
         steps = [s async for s in agent.run("pay 120", session=session)]
@@ -105,7 +110,7 @@ async def drive(db: Path, run_id: str, *, dies: bool = False) -> tuple[list[Step
     return steps, len(executions)
 
 
-async def suspended(db: Path, run_id: str) -> str:
+async def suspended(db: Path | str, run_id: str) -> str:
     """A run suspended on its payment; the fingerprint of the frozen arguments."""
     steps, executions = await drive(db, run_id)
     assert executions == 0
@@ -522,6 +527,94 @@ async def test_a_journal_from_a_newer_asiento_is_refused(tmp_path: Path) -> None
     assert db.read_bytes() == before
 
 
+def libpq_keywords(dsn: str, **extra: str) -> str:
+    """``dsn`` as a libpq keyword string that starts ``host=... port=... dbname=...``."""
+    params = {k: str(v) for k, v in conninfo_to_dict(dsn).items() if v is not None}
+    first = {k: params.pop(k) for k in ("host", "port", "dbname")}
+    pairs = {**first, **params, **extra}
+    assert not any(" " in v or "'" in v for v in pairs.values()), pairs
+    return " ".join(f"{key}={value}" for key, value in pairs.items())
+
+
+async def test_every_command_takes_a_libpq_keyword_string(pg_dsn: str, tmp_path: Path) -> None:
+    """`--store 'host=... port=... dbname=...'` and $ASIENTO_STORE reach PostgreSQL in the
+    reading and deciding commands; what they print hides the password.
+
+    Before the fix the CLI took any string without ``://`` for an SQLite path and
+    answered ``no journal at host=...``.
+    """
+    secret = "pg-secret-4711"  # the test server trusts local sockets: libpq sends it unused
+    dsn = libpq_keywords(pg_dsn, password=secret)
+    assert dsn.startswith("host=/")
+    await suspended(dsn, "pg-run")
+    listed = cli("runs", "--json", "--store", dsn, cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    assert [(r["run_id"], r["status"]) for r in json.loads(listed.stdout)] == [
+        ("pg-run", "suspended")
+    ]
+    table = cli("runs", "--store", dsn, cwd=tmp_path)
+    shown = cli("show", "pg-run", "--store", dsn, cwd=tmp_path)
+    assert (table.returncode, shown.returncode) == (0, 0), table.stderr + shown.stderr
+    assert "password=***" in table.stdout
+    assert "asiento approve pg-run m1.t1 --by NAME --store 'host=/" in shown.stdout
+    assert "password=***'" in shown.stdout
+    from_env = {"ASIENTO_STORE": dsn}
+    approved = cli("approve", "pg-run", "m1.t1", "--by", "ana", cwd=tmp_path, env=from_env)
+    assert approved.returncode == 0, approved.stderr
+    after = cli("show", "pg-run", cwd=tmp_path, env=from_env)
+    assert "--store" not in after.stdout  # $ASIENTO_STORE finds it again: no hint needed
+    for proc in (listed, table, shown, approved, after):
+        assert secret not in proc.stdout + proc.stderr
+    decided = json.loads(cli("show", "pg-run", "--json", cwd=tmp_path, env=from_env).stdout)
+    assert [e["payload"]["by"] for e in decided["events"] if e["phase"] == "approval"] == ["ana"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_sqlite_file_is_still_an_error(tmp_path: Path) -> None:
+    """A path that only looks like keywords (`sort=1.db`, `./dbname=x.db`) is an SQLite file:
+    missing, it is an error and nothing is created; an empty libpq string is refused."""
+    for store in ("sort=1.db", "./dbname=x.db", "sqlite:///port=1.db"):
+        assert_one_line_error(cli("runs", "--store", store, cwd=tmp_path), "no journal at")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_one_rule_says_what_a_store_string_names() -> None:
+    """`address_of` decides for `open_store` and the CLI alike: SQLite file or PostgreSQL."""
+    kinds = {
+        "runs.db": ("sqlite", Path("runs.db")),
+        "sqlite:///sub/runs.db?timeout=9": ("sqlite", Path("sub/runs.db")),
+        "./host=x.db": ("sqlite", Path("host=x.db")),
+        "sort=1.db": ("sqlite", Path("sort=1.db")),
+        "host=/tmp port=5432 dbname=x": ("postgresql", None),
+        "  dbname = x": ("postgresql", None),
+        "service=billing": ("postgresql", None),
+        "postgres://db/x": ("postgresql", None),
+    }
+    for text, kind in kinds.items():
+        address = address_of(text)
+        assert (address.backend, address.path) == kind, text
+    for text in ("", "sqlite:runs.db", "mysql://db/x"):
+        with pytest.raises(UsageError, match="libpq keyword strings"):
+            address_of(text)
+
+
+def test_printed_store_names_hide_every_password() -> None:
+    """`shown` hides passwords in URLs (user info, query) and in libpq keyword strings."""
+    cases = {
+        "postgresql://app:s3cr3t@db/x": "postgresql://app:***@db/x",
+        "postgresql://app@db/x?password=s3cr3t&sslmode=require": (
+            "postgresql://app@db/x?password=***&sslmode=require"
+        ),
+        "host=db password=s3cr3t dbname=x": "host=db password=*** dbname=x",
+        "host=db password = 's3 cr\\'3t' dbname=x": "host=db password = *** dbname=x",
+        "host=db sslpassword=s3cr3t": "host=db sslpassword=***",
+        "host=db PASSWORD=s3cr3t": "host=db PASSWORD=***",
+        "runs.db": "runs.db",
+    }
+    for given, printed in cases.items():
+        assert shown(given) == printed, given
+
+
 def test_runs_on_postgresql_by_url(pg_dsn: str, tmp_path: Path) -> None:
     """A postgresql:// store is opened by URL: `runs` lists what a run wrote there."""
     params = {k: v for k, v in conninfo_to_dict(pg_dsn).items() if v is not None}
@@ -546,6 +639,7 @@ import os, time
 from pathlib import Path
 from asiento import Agent, App, ModelResponse, ToolCall, tool
 from asiento import shutdown
+from asiento.journal.url import address_of, shown
 from asiento.testing import ScriptedGateway
 
 PAID = Path(os.environ["PAID"])
@@ -678,23 +772,28 @@ async def test_graceful_stops_do_not_park_a_run_that_makes_progress(tmp_path: Pa
 
 
 async def test_serve_prints_a_token_that_opens_the_page(tmp_path: Path) -> None:
-    """`serve --port 0` prints its URL and a generated token that logs in; a wrong one does not."""
+    """`serve --port 0` prints its URL, a generated token and its mode; the page is shown
+    only after logging in with that token, not a wrong one."""
     await suspended(tmp_path / "runs.db", "run-1")
     argv = [sys.executable, "-m", "asiento", "serve", "--port", "0"]
     proc = subprocess.Popen(argv, cwd=tmp_path, env=clean_env(), stderr=subprocess.PIPE, text=True)
     try:
-        url, token = first_lines(proc, 2)
+        url, token, mode = first_lines(proc, 3)
         assert url.startswith("asiento serve: http://127.0.0.1:")
         assert url.endswith("(journal runs.db)")
+        assert mode == "mode: every page and /api/ answer needs the token"
         base, secret = url.split()[2], token.split()[1]
         assert len(secret) >= 24
         with httpx.Client(base_url=base, timeout=30) as client:
-            assert "run-1" in client.get("/").text
+            anonymous = client.get("/")
             wrong = client.post("/login", data={"by": "ana", "token": secret + "x"})
             right = client.post(
                 "/login", data={"by": "ana", "token": secret}, follow_redirects=False
             )
-        assert (wrong.status_code, right.status_code) == (401, 303)
+            listing = client.get("/")
+        assert (anonymous.status_code, wrong.status_code, right.status_code) == (401, 401, 303)
+        assert "run-1" not in anonymous.text
+        assert "run-1" in listing.text
     finally:
         proc.terminate()
         proc.communicate(timeout=30)

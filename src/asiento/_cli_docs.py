@@ -21,7 +21,8 @@ HEADER = """\
 
 Every command that reads or writes a journal takes `--store PATH_OR_URL`: an
 SQLite file (`runs.db`, the default), `sqlite:///relative.db`,
-`sqlite:////absolute.db` or `postgresql://user@host/db` (also from
+`sqlite:////absolute.db`, `postgresql://user@host/db` or a libpq keyword string
+(`host=/tmp port=5432 dbname=x`), as `open_store` does (also from
 `$ASIENTO_STORE`). A missing SQLite file is an error and is never created. Any
 error is one line on stderr and exit status 1; a worker stopped by SIGTERM exits
 with 75. See [operating.md](operating.md) for how to use them together.

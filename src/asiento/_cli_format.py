@@ -12,14 +12,12 @@ import dataclasses
 import importlib
 import json
 import os
-import re
 import shlex
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console, RenderableType
@@ -30,7 +28,7 @@ from .effects.records import EffectRecord, effect_records_of
 from .errors import ApprovalError, UsageError
 from .events import FINAL_STEP_ID, Decision, Phase, RunInfo, RunStatus, StepEvent
 from .journal.base import Checkpointer
-from .journal.url import open_store
+from .journal.url import address_of, open_address, shown
 from .replay import StepState, index, step_state
 
 DEFAULT_STORE = "runs.db"
@@ -42,30 +40,19 @@ Journal = dict[str, dict[Phase, StepEvent]]
 # -- opening a journal that exists ---------------------------------------------------
 
 
-def sqlite_file(url: str) -> Path | None:
-    """The file an SQLite store URL (or plain path) names; None for other backends."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return Path(url)
-    if scheme != "sqlite":
-        return None
-    path = rest.partition("?")[0]
-    return Path(path[1:]) if path.startswith("/") and len(path) > 1 else None
-
-
 def shown_url(url: str) -> str:
-    """A store URL fit to print: a password in it is replaced by ``***``."""
-    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
+    """A store name fit to print: its passwords replaced by ``***`` (``journal.url.shown``)."""
+    return shown(url)
 
 
 async def open_existing(url: str | os.PathLike[str]) -> Checkpointer:
     """Open a journal that already exists: a missing SQLite file is an error, never created."""
-    text = os.fspath(url)
-    path = sqlite_file(text)
+    address = address_of(url)
+    path = address.path
     if path is not None and not path.is_file():
         what = "is a directory, not a journal" if path.is_dir() else "(nothing was created)"
         raise UsageError(f"no journal at {path} {what}; pass --store PATH_OR_URL")
-    return await open_store(text)
+    return await open_address(address)
 
 
 # -- one run --------------------------------------------------------------------------

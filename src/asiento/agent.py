@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from pydantic_core import to_jsonable_python
@@ -548,10 +549,12 @@ class _Pass:
 def _argument_problem(
     call: ToolCall, tool: Tool | None
 ) -> tuple[str | None, dict[str, Any] | None]:
-    """Why a call cannot run at all (unknown tool, arguments that do not fit), or the
-    validated keyword arguments to call the tool with."""
+    """Why a call cannot run at all (unknown tool, arguments JSON cannot carry or that
+    do not fit), or the validated keyword arguments to call the tool with."""
     if tool is None:
         return f"unknown tool {call.name!r}", None
+    if call.problem:
+        return call.problem, None
     try:
         return None, tool.validate(call.arguments)
     except ToolArgumentsError as exc:
@@ -680,13 +683,7 @@ def _with_call_ids(response: ModelResponse, step_id: str) -> ModelResponse:
     if all(c.id for c in response.tool_calls):
         return response
     calls = [
-        c if c.id else ToolCall(name=c.name, arguments=c.arguments, id=f"{step_id}.t{i}")
+        c if c.id else replace(c, id=f"{step_id}.t{i}")
         for i, c in enumerate(response.tool_calls, 1)
     ]
-    return ModelResponse(
-        text=response.text,
-        tool_calls=calls,
-        usage=response.usage,
-        model=response.model,
-        request_id=response.request_id,
-    )
+    return replace(response, tool_calls=calls)

@@ -1,7 +1,8 @@
 """The ``asiento`` command: look at a journal, decide for it, and run its servers.
 
 Every command on a journal takes ``--store PATH_OR_URL`` (an SQLite file,
-``sqlite:///path.db`` or ``postgresql://...``; default ``./runs.db``) and goes
+``sqlite:///path.db``, ``postgresql://...`` or a libpq keyword string such as
+``host=/tmp dbname=x``: whatever ``open_store`` takes; default ``./runs.db``) and goes
 through the public API: ``open_store``, the ``Checkpointer`` protocol,
 ``approve``, ``deny``, ``resolve``. None touches the database directly, and none
 creates a journal: a missing SQLite file is an error. Any asiento error is one
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 
 from . import _cli_format as fmt
@@ -47,7 +49,10 @@ store_option = click.option(
     envvar="ASIENTO_STORE",
     show_envvar=True,
     metavar="PATH_OR_URL",
-    help="The journal: an SQLite file, sqlite:///path.db, or postgresql://... (never created).",
+    help=(
+        "The journal: an SQLite file (never created), sqlite:///path.db, postgresql://... "
+        "or a libpq keyword string (host=... dbname=...)."
+    ),
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 by_option = click.option("--by", required=True, help="Who decides (recorded in the journal).")
@@ -189,8 +194,15 @@ def show(run_id: str, store: str, as_json: bool) -> None:
 
 
 def _hint_store(store: str) -> str:
-    """The --store part of a suggested command (empty for the default store)."""
-    return "" if store == fmt.DEFAULT_STORE else f" --store {shlex.quote(store)}"
+    """The --store part of a suggested command, its password hidden.
+
+    Empty when the next command finds the same store by itself: the default, or
+    $ASIENTO_STORE (which may be how a password stays off the command line).
+    """
+    source = click.get_current_context().get_parameter_source("store")
+    if store == fmt.DEFAULT_STORE or source == ParameterSource.ENVIRONMENT:
+        return ""
+    return f" --store {shlex.quote(fmt.shown_url(store))}"
 
 
 # -- deciding ------------------------------------------------------------------------------
@@ -341,21 +353,40 @@ def unpark(run_id: str, by: str, reason: str, store: str) -> None:
     multiple=True,
     help="Another Host name the page answers to (behind a proxy); repeat for several.",
 )
-def serve(store: str, host: str, port: int, allowed_hosts: tuple[str, ...]) -> None:
+@click.option(
+    "--open-reading",
+    is_flag=True,
+    help=(
+        "Let anyone on this machine read the page without the token: only on a "
+        "loopback --host, not with --allowed-host. Writing still needs the token."
+    ),
+)
+def serve(
+    store: str, host: str, port: int, allowed_hosts: tuple[str, ...], open_reading: bool
+) -> None:
     """Serve the web page for operators: runs, timelines, decisions.
 
-    Approve, deny and resolve buttons write the same records as the commands.
+    Approve, deny and resolve buttons write the same records as the commands;
+    /api/runs and /api/runs/RUN answer what runs --json and show --json print.
 
-    Needs the web extra (pip install 'asiento[web]'). Reading is open to whoever
-    reaches the port; every write needs the token, taken from $ASIENTO_WEB_TOKEN
-    or generated and printed at start.
+    Needs the web extra (pip install 'asiento[web]'). Every page and every JSON
+    answer needs the token (run data holds personal data), taken from
+    $ASIENTO_WEB_TOKEN or generated and printed at start: a person logs in with
+    it, a script sends Authorization: Bearer TOKEN. --open-reading opens reading
+    (never writing) to this machine only.
     """
     try:
+        from .web import check_open_reading
         from .web import serve as serve_web
     except ImportError as exc:
         raise CommandError(
             f"asiento serve needs the web extra: pip install 'asiento[web]' ({exc})"
         ) from None
+    if open_reading:
+        try:
+            check_open_reading(host, allowed_hosts)
+        except UsageError as exc:
+            raise CommandError(str(exc)) from None
     with_store(store, lambda journal: journal.runs())  # a clear error now, not in the server
     token = os.environ.get(TOKEN_ENV, "")
     if token and len(token) < MIN_TOKEN:
@@ -369,6 +400,7 @@ def serve(store: str, host: str, port: int, allowed_hosts: tuple[str, ...]) -> N
         port=port,
         allowed_hosts=allowed_hosts,
         token_shown=shown or token,
+        open_reading=open_reading,
     )
 
 

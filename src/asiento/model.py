@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, overload, runtime_checkable
 
+from . import _unfit_json
 from ._canonical import canonical_json
 from .errors import UsageError
 
@@ -19,18 +20,36 @@ Role = Literal["user", "assistant", "tool"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolCall:
-    """One call the model asked for: a tool name and its JSON arguments."""
+    """One call the model asked for: a tool name and its JSON arguments.
+
+    A call whose arguments hold values JSON cannot carry (``NaN``, ``Infinity``,
+    an integer past Python's digit limit) is kept, not lost: ``problem`` says
+    what is wrong, ``raw_arguments`` holds the arguments as the model wrote
+    them, and ``arguments`` is empty. Such a call is never run; its step's
+    outcome is the problem, fed to the model.
+    """
 
     name: str
     arguments: Mapping[str, Any] = field(default_factory=dict)
     id: str = ""
+    raw_arguments: str = ""
+    problem: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "arguments": dict(self.arguments), "id": self.id}
+        data = {"name": self.name, "arguments": dict(self.arguments), "id": self.id}
+        if self.problem:
+            data |= {"raw_arguments": self.raw_arguments, "problem": self.problem}
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ToolCall:
-        return cls(name=data["name"], arguments=data.get("arguments", {}), id=data.get("id", ""))
+        return cls(
+            name=data["name"],
+            arguments=data.get("arguments", {}),
+            id=data.get("id", ""),
+            raw_arguments=data.get("raw_arguments", ""),
+            problem=data.get("problem", ""),
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -239,23 +258,52 @@ class Gateway(Protocol):
 
 
 def check_response(response: object, *, where: str) -> ModelResponse:
-    """Refuse a gateway answer that could not be recorded and replayed faithfully."""
+    """Refuse a gateway answer that could not be recorded and replayed faithfully.
+
+    What is wrong in the gateway's own objects is a ``UsageError``; arguments
+    holding values JSON cannot carry are the model's, and make a call with a
+    ``problem`` (see ``recordable_call``) that is recorded like any other.
+    """
     if not isinstance(response, ModelResponse):
         raise UsageError(
             f"{where}: the gateway returned {type(response).__name__}, expected a ModelResponse"
         )
     if not isinstance(response.text, str):
         raise UsageError(f"{where}: ModelResponse.text must be a str")
-    for call in response.tool_calls:
-        if not isinstance(call, ToolCall) or not isinstance(call.name, str) or not call.name:
-            raise UsageError(f"{where}: every tool call needs a non-empty str name, got {call!r}")
-        if not isinstance(call.arguments, Mapping):
-            raise UsageError(f"{where}: tool call {call.name!r} has non-object arguments")
-        try:
-            canonical_json(call.arguments)
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise UsageError(
-                f"{where}: tool call {call.name!r} has arguments that are not JSON ({exc}); "
-                "nothing of this answer was recorded"
-            ) from None
-    return response
+    calls = [_checked_call(call, where) for call in response.tool_calls]
+    if all(a is b for a, b in zip(calls, response.tool_calls, strict=True)):
+        return response
+    return replace(response, tool_calls=calls)
+
+
+def recordable_call(call: ToolCall, *, raw_arguments: str | None = None) -> ToolCall:
+    """``call`` as it can be recorded: itself, or, when its arguments hold values JSON
+    cannot carry, a call with empty arguments, the raw text and the problem.
+
+    ``raw_arguments`` is the text the model sent, when there was one; otherwise
+    the arguments are written out with each unfit value as it was read. Other
+    values that are not JSON (a set, a cycle) raise what ``canonical_json`` raised.
+    """
+    try:
+        canonical_json(call.arguments)
+        return call
+    except (TypeError, ValueError, RecursionError):
+        problem = _unfit_json.problem(call.arguments)
+        if problem is None:
+            raise
+    text = raw_arguments if raw_arguments is not None else _unfit_json.render(call.arguments)
+    return ToolCall(name=call.name, id=call.id, raw_arguments=text, problem=problem)
+
+
+def _checked_call(call: object, where: str) -> ToolCall:
+    if not isinstance(call, ToolCall) or not isinstance(call.name, str) or not call.name:
+        raise UsageError(f"{where}: every tool call needs a non-empty str name, got {call!r}")
+    if not isinstance(call.arguments, Mapping):
+        raise UsageError(f"{where}: tool call {call.name!r} has non-object arguments")
+    try:
+        return recordable_call(call)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UsageError(
+            f"{where}: tool call {call.name!r} has arguments that are not JSON ({exc}); "
+            "nothing of this answer was recorded"
+        ) from None

@@ -41,6 +41,7 @@ __all__ = [
     "Answer",
     "AsgiServer",
     "FakeProvider",
+    "Raw",
     "Received",
     "Tokens",
     "wait_until",
@@ -50,11 +51,18 @@ _ANTHROPIC_ID = re.compile(r"^[a-zA-Z0-9_-]+$")
 
 
 @dataclass(frozen=True)
+class Raw:
+    """Tool-call arguments sent as this JSON text, byte for byte (``NaN``, 5,000 digits...)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class Answer:
     """One scripted model turn: text, and tool calls as (name, arguments) pairs."""
 
     text: str = ""
-    calls: tuple[tuple[str, dict[str, Any]], ...] = ()
+    calls: tuple[tuple[str, dict[str, Any] | Raw], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -187,7 +195,7 @@ class FakeProvider:
             len(raw) // 4, 5 + 10 * len(answer.calls) + len(answer.text) // 4, *self.cache
         )
         out, id_header = render(n, body.get("model", ""), answer, usage)
-        content = garbage if garbage is not None else json.dumps(out).encode()
+        content = garbage if garbage is not None else _dumps(out).encode()
         return 200, {id_header: f"req_{n}", "content-type": "application/json"}, content
 
 
@@ -220,6 +228,30 @@ def _json(raw: bytes) -> Any:
         return json.loads(raw)
     except ValueError:
         return None
+
+
+def _dumps(out: Any) -> str:
+    """``json.dumps``, with each ``Raw`` value written as its own text."""
+    raws: list[str] = []
+
+    def mark(value: Any) -> Any:
+        if isinstance(value, Raw):
+            raws.append(value.text)
+            return f"\x00raw{len(raws) - 1}\x00"
+        if isinstance(value, dict):
+            return {k: mark(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [mark(v) for v in value]
+        return value
+
+    text = json.dumps(mark(out))
+    for i, raw in enumerate(raws):
+        text = text.replace(json.dumps(f"\x00raw{i}\x00"), raw)
+    return text
+
+
+def _arguments(args: dict[str, Any] | Raw) -> str:
+    return args.text if isinstance(args, Raw) else json.dumps(args)
 
 
 def _status(status: int, message: str) -> tuple[int, dict, bytes]:
@@ -282,7 +314,7 @@ def _render_chat(n: int, model: str, answer: Answer, usage: Tokens) -> tuple[dic
         {
             "id": f"call_{n}_{i}",
             "type": "function",
-            "function": {"name": name, "arguments": json.dumps(args)},
+            "function": {"name": name, "arguments": _arguments(args)},
         }
         for i, (name, args) in enumerate(answer.calls, 1)
     ]
@@ -356,7 +388,7 @@ def _render_responses(n: int, model: str, answer: Answer, usage: Tokens) -> tupl
         )  # fmt: skip
     output.extend(
         {"type": "function_call", "id": f"fc_{n}_{i}", "call_id": f"call_{n}_{i}",
-         "name": name, "arguments": json.dumps(args), "status": "completed"}
+         "name": name, "arguments": _arguments(args), "status": "completed"}
         for i, (name, args) in enumerate(answer.calls, 1)
     )  # fmt: skip
     out = {

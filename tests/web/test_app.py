@@ -1,4 +1,8 @@
-"""The web page's routes, through Starlette's TestClient, on real SQLite journals."""
+"""The web page's routes, through Starlette's TestClient, on real SQLite journals.
+
+Reading needs the token (``READ``, the Bearer header) as writing does; who may read
+without it is tested on a real server in ``test_access``.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from .runs import PAYMENT, book, closed_with_effect, drive, suspended, uncertain
 
 TOKEN = "test-token-0123456789abcdef"
 BASE = "http://127.0.0.1"
+READ = {"authorization": f"Bearer {TOKEN}"}  # reads as a script would; writes need more
 
 
 @contextmanager
@@ -42,8 +47,11 @@ def hidden(html: str, name: str) -> str:
 
 
 def decision(client: TestClient, run_id: str, **fields: str) -> dict[str, str]:
-    """The fields the run page's form would post: its hidden ones, plus ``fields``."""
-    html = client.get(f"/runs/{run_id}").text
+    """The fields the run page's form would post: its hidden ones, plus ``fields``.
+
+    The page is read with the token in a header; its CSRF field is the client's session's.
+    """
+    html = client.get(f"/runs/{run_id}", headers=READ).text
     form = {"run_id": run_id, "step_id": "m1.t1", "fp": hidden(html, "fp")}
     return {**form, "csrf": hidden(html, "csrf"), **fields}
 
@@ -71,8 +79,8 @@ async def test_the_runs_page_lists_runs_and_what_waits_for_a_person(tmp_path: Pa
     await uncertain(db, "refund-17")
     await closed_with_effect(db, "fee-3")
     with page(db) as client:
-        html = client.get("/").text
-        only = client.get("/?status=uncertain").text
+        html = client.get("/", headers=READ).text
+        only = client.get("/?status=uncertain", headers=READ).text
     rows = re.findall(r'<td><a href="/runs/([^"]+)">.*?badge (\w+)', html, re.S)
     assert rows == [("invoice-42", "suspended"), ("refund-17", "uncertain"), ("fee-3", "closed")]
     assert "Waiting for a person (2)" in html
@@ -89,8 +97,8 @@ async def test_the_pages_count_steps_not_records(tmp_path: Path) -> None:
     await uncertain(db, "refund-17")
     await closed_with_effect(db, "fee-3")
     with page(db) as client:
-        html = client.get("/").text
-        run = client.get("/runs/fee-3").text
+        html = client.get("/", headers=READ).text
+        run = client.get("/runs/fee-3", headers=READ).text
     assert "<th>steps</th>" in html
     assert "<th>records</th>" not in html
     cells = re.findall(
@@ -107,8 +115,8 @@ async def test_the_run_page_shows_timeline_effects_and_what_is_awaited(tmp_path:
     fp = await suspended(db, "invoice-42")
     await closed_with_effect(db, "fee-3")
     with page(db) as client:
-        waiting = client.get("/runs/invoice-42").text
-        closed = client.get("/runs/fee-3").text
+        waiting = client.get("/runs/invoice-42", headers=READ).text
+        closed = client.get("/runs/fee-3", headers=READ).text
     steps = re.findall(r'data-step="([^"]+)" data-phase="([^"]+)"', waiting)
     assert steps == [("m1", "result"), ("m1.t1", "intent")]
     assert "Approve or deny" in waiting
@@ -128,7 +136,7 @@ async def test_an_effect_awaiting_approval_shows_its_prepared_payload(tmp_path: 
     approval = steps[-1]
     assert isinstance(approval, ApprovalStep)
     with page(db) as client:
-        html = client.get("/runs/fee-3").text
+        html = client.get("/runs/fee-3", headers=READ).text
     card = re.search(r'<div class="card approval".*?</form>', html, re.S)
     assert card is not None
     assert "<dt>prepared</dt>" in card.group(0)
@@ -142,7 +150,7 @@ async def test_an_unknown_run_is_404(tmp_path: Path) -> None:
     db = tmp_path / "runs.db"
     await suspended(db, "invoice-42")
     with page(db) as client:
-        answer = client.get("/runs/ghost")
+        answer = client.get("/runs/ghost", headers=READ)
     assert answer.status_code == 404
     assert "unknown run &#39;ghost&#39;" in answer.text
 
@@ -377,7 +385,7 @@ async def test_a_foreign_host_header_is_refused(tmp_path: Path) -> None:
     db = tmp_path / "runs.db"
     await suspended(db, "invoice-42")
     with page(db, base_url="http://attacker.example") as client:
-        answer = client.get("/")
+        answer = client.get("/", headers=READ)
     assert answer.status_code == 421
     assert "invoice-42" not in answer.text
 
@@ -387,13 +395,15 @@ async def test_pages_forbid_framing_and_scripts(tmp_path: Path) -> None:
     db = tmp_path / "runs.db"
     await suspended(db, "invoice-42")
     with page(db) as client:
-        answer = client.get("/runs/invoice-42")
-    policy = answer.headers["content-security-policy"]
-    assert "frame-ancestors 'none'" in policy
-    assert "form-action 'self'" in policy
-    assert "default-src 'none'" in policy
-    assert "script" not in policy
-    assert answer.headers["x-frame-options"] == "DENY"
+        answers = [client.get("/runs/invoice-42", headers=READ), client.get("/runs/invoice-42")]
+    assert [a.status_code for a in answers] == [200, 401]
+    for answer in answers:  # the run's page, and the login form shown without the token
+        policy = answer.headers["content-security-policy"]
+        assert "frame-ancestors 'none'" in policy
+        assert "form-action 'self'" in policy
+        assert "default-src 'none'" in policy
+        assert "script" not in policy
+        assert answer.headers["x-frame-options"] == "DENY"
 
 
 async def test_text_from_the_journal_is_escaped(tmp_path: Path) -> None:
@@ -402,8 +412,8 @@ async def test_text_from_the_journal_is_escaped(tmp_path: Path) -> None:
     run_id = "<script>alert(1)</script>"
     await suspended(db, run_id)
     with page(db) as client:
-        listing = client.get("/").text
-        run = client.get("/runs/%3Cscript%3Ealert(1)%3C%2Fscript%3E")
+        listing = client.get("/", headers=READ).text
+        run = client.get("/runs/%3Cscript%3Ealert(1)%3C%2Fscript%3E", headers=READ)
     assert "<script>" not in listing
     assert "&lt;script&gt;alert(1)" in listing
     assert run.status_code == 200

@@ -6,7 +6,8 @@ browser or a missing ``playwright`` package fails these tests, saying what to
 install: they never skip. ``ASIENTO_CHROMIUM`` points at another binary.
 
 The server is ``python -m asiento serve`` in its own process, on a real SQLite
-journal holding a suspended run, an uncertain one and a closed one. Screenshots
+journal holding a suspended run, an uncertain one and a closed one (the
+``open_server`` fixture adds ``--open-reading``). Screenshots
 of every page are saved under ``artifacts/screenshots/`` (ignored by git).
 """
 
@@ -57,12 +58,25 @@ class Server:
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[Server]:
     """``python -m asiento serve --port 0`` on a journal with three runs, stopped afterwards."""
+    async with serving(tmp_path) as running:
+        yield running
+
+
+@pytest.fixture
+async def open_server(tmp_path: Path) -> AsyncIterator[Server]:
+    """The same with ``--open-reading``: the pages read without the token on 127.0.0.1."""
+    async with serving(tmp_path, "--open-reading") as running:
+        yield running
+
+
+@asynccontextmanager
+async def serving(tmp_path: Path, *args: str) -> AsyncIterator[Server]:
     db = tmp_path / "runs.db"
     await suspended(db, "invoice-42")
     await uncertain(db, "refund-17")
     await closed_with_effect(db, "fee-3")
     env = {**os.environ, "ASIENTO_WEB_TOKEN": TOKEN, "COLUMNS": "200"}
-    argv = [sys.executable, "-m", "asiento", "serve", "--store", "runs.db", "--port", "0"]
+    argv = [sys.executable, "-m", "asiento", "serve", "--store", "runs.db", "--port", "0", *args]
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
     try:
         yield Server(url=_printed_url(proc), db=db)
@@ -133,11 +147,15 @@ async def approvals(db: Path, run_id: str) -> list[tuple[str | None, str]]:
 async def test_a_person_approves_in_the_browser_and_the_run_pays_once(
     server: Server, tmp_path: Path
 ) -> None:
-    """The page lists the suspended run; approving records it (a late second decision is
-    refused); the resumed run pays once."""
+    """After logging in with the token the page lists the suspended run; approving records
+    it (a late second decision is refused); the resumed run pays once."""
     async with browser(tmp_path) as context:
         page = await context.new_page()
         await page.goto(server.url)
+        await page.fill("#by", "ana")
+        await page.fill("#token", TOKEN)
+        await shot(page, "login")
+        await page.click("button:has-text('Log in')")
         rows = page.locator("table.runs tbody tr")
         assert await rows.count() == 3
         suspended_row = rows.filter(has_text="invoice-42")
@@ -146,11 +164,6 @@ async def test_a_person_approves_in_the_browser_and_the_run_pays_once(
         assert '"amount": 120' in await card.locator("pre.args").inner_text()
         await shot(page, "runs")
 
-        await page.click("text=log in to decide")
-        await page.fill("#by", "ana")
-        await page.fill("#token", TOKEN)
-        await shot(page, "login")
-        await page.click("button:has-text('Log in')")
         await page.click("a:has-text('invoice-42') >> nth=0")
         assert "/runs/invoice-42" in page.url
         await shot(page, "run-awaiting-approval")
@@ -180,10 +193,35 @@ async def test_a_person_approves_in_the_browser_and_the_run_pays_once(
     assert (await drive(server.db, "invoice-42")).payments == []
 
 
-async def test_a_write_without_the_token_is_refused_in_the_browser(
+async def test_without_the_token_the_browser_sees_only_the_login_form(
     server: Server, tmp_path: Path
 ) -> None:
-    """Clicking Approve without logging in shows the refusal and records nothing."""
+    """A visitor without the token who opens a run's page gets the login form (401) and no
+    run data; logging in there leads to that run's page."""
+    async with browser(tmp_path) as context:
+        page = await context.new_page()
+        answer = await page.goto(server.url + "runs/invoice-42")
+        assert answer is not None
+        assert answer.status == 401
+        body = await page.locator("main").inner_text()
+        assert "Reading the runs and deciding need the operator token" in body
+        assert "ACME" not in await page.content()
+        assert await page.locator(".card").count() == 0
+        await shot(page, "login-required")
+        await page.fill("#by", "ana")
+        await page.fill("#token", TOKEN)
+        await page.click("button:has-text('Log in')")
+        assert page.url.endswith("/runs/invoice-42")
+        assert "signed in as ana" in await page.locator("header").inner_text()
+        assert await page.locator(".card.approval").count() == 1
+
+
+async def test_a_write_without_the_token_is_refused_in_the_browser(
+    open_server: Server, tmp_path: Path
+) -> None:
+    """With --open-reading the page shows the run without the token, but clicking Approve
+    without logging in shows the refusal and records nothing."""
+    server = open_server
     async with browser(tmp_path) as context:
         page = await context.new_page()
         await page.goto(server.url + "runs/invoice-42")

@@ -4,21 +4,26 @@
     └── ModelCallFailed          a model step got no answer that can be recorded
         ├── ModelRequestRejected the provider said the request is wrong (a 4xx): fix, resume
         ├── ModelUnavailable     rate limits, 5xx or the network outlasted the retries: resume
-        └── ModelResponseInvalid the answer cannot be parsed: it is never recorded
+        └── ModelResponseInvalid the model's answer cannot be parsed: it is never recorded
 
 None of them records anything: the step stays without a result, so running
 the same ``run_id`` again resumes exactly there, with the same idempotency key.
+An answer that parses but whose tool-call arguments hold values JSON cannot
+carry (``NaN``, ``Infinity``, an integer past Python's digit limit) is not an
+error: it is recorded, and the call's ``problem`` becomes its step's outcome.
+``read_answer`` is the one rule for what an answer may be recorded: the
+gateways apply it, and ``asiento gateway`` keeps only the answers it accepts.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
+from .. import _unfit_json
 from .._crash import crash_point
 from ..errors import RunError, UsageError
-from ..model import ModelResponse
+from ..model import ModelResponse, ToolCall, check_response, recordable_call
 
 #: Statuses that mean "later" (as do 5xx): when they outlast the retries, ModelUnavailable.
 TRANSIENT_STATUSES = frozenset({408, 409, 425, 429})
@@ -49,7 +54,15 @@ class ModelUnavailable(ModelCallFailed):
 
 
 class ModelResponseInvalid(ModelCallFailed):
-    """The provider answered with something that cannot be recorded and replayed."""
+    """The model's answer cannot be recorded and replayed: its fault, not the caller's."""
+
+
+class Parser(Protocol):
+    """How one wire format's answer (a JSON object) becomes a ``ModelResponse``."""
+
+    def __call__(
+        self, body: Mapping[str, Any], *, provider: str, key: str, request_id: str | None
+    ) -> ModelResponse: ...
 
 
 def split_key(idempotency_key: str) -> tuple[str, str]:
@@ -109,28 +122,58 @@ def status_error(provider: str, key: str, exc: Any) -> ModelCallFailed:
     return rejected(provider, key, status, message, request_id)
 
 
-def parse_body(provider: str, key: str, content: bytes, request_id: str | None) -> dict[str, Any]:
-    """The answer's JSON object, or ``ModelResponseInvalid``."""
+def read_answer(
+    parse: Parser, content: bytes, *, provider: str, key: str, request_id: str | None
+) -> ModelResponse:
+    """The answer as the agent will record it, or ``ModelResponseInvalid`` saying why not.
+
+    What the agent's ``check_response`` would refuse is refused here, as the
+    model's fault, so nothing a gateway returns can be refused later.
+    """
+    body = parse_body(provider, key, content, request_id)
+    request_id = request_id or nonempty(body.get("id"))
+    response = parse(body, provider=provider, key=key, request_id=request_id)
     try:
-        body = json.loads(content)
-    except (ValueError, UnicodeDecodeError) as exc:
+        return check_response(response, where="the answer")
+    except UsageError as exc:
+        raise invalid(provider, key, str(exc), request_id) from None
+
+
+def parse_body(provider: str, key: str, content: bytes, request_id: str | None) -> dict[str, Any]:
+    """The answer's JSON object (unfit values kept as such), or ``ModelResponseInvalid``."""
+    try:
+        body = _unfit_json.loads(content)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise invalid(provider, key, f"the body is not JSON: {exc}", request_id) from None
     if not isinstance(body, dict):
         raise invalid(provider, key, "the body is not a JSON object", request_id)
     return body
 
 
-def arguments(provider: str, key: str, raw: Any, request_id: str | None) -> dict[str, Any]:
-    """Tool-call arguments as a JSON object; arguments sent as text are decoded."""
-    if isinstance(raw, str):
+def tool_call(
+    provider: str, key: str, request_id: str | None, *, name: str, raw: Any, call_id: str
+) -> ToolCall:
+    """One tool call of the answer; arguments sent as text are decoded.
+
+    Arguments holding values JSON cannot carry make a call with a ``problem``
+    (recorded, and fed to the model); arguments that are not a JSON object are
+    refused.
+    """
+    text = raw if isinstance(raw, str) else None
+    if text is not None:
         try:
-            raw = json.loads(raw) if raw.strip() else {}
-        except ValueError:
-            detail = f"tool-call arguments are not valid JSON (cut short?): {raw[:80]!r}"
+            raw = _unfit_json.loads(text) if text.strip() else {}
+        except (ValueError, RecursionError):
+            detail = f"tool-call arguments are not valid JSON (cut short?): {text[:80]!r}"
             raise invalid(provider, key, detail, request_id) from None
     if not isinstance(raw, Mapping):
         raise invalid(provider, key, "tool-call arguments are not a JSON object", request_id)
-    return dict(raw)
+    call = ToolCall(name=name, arguments=dict(raw), id=call_id)
+    try:
+        return recordable_call(call, raw_arguments=text)
+    except (TypeError, ValueError, RecursionError) as exc:
+        detail = f"tool-call arguments are not JSON: {exc}"
+        raise invalid(provider, key, detail, request_id) from None
 
 
 def answered(response: ModelResponse) -> ModelResponse:

@@ -17,12 +17,12 @@ from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, 
 from ._client import OwnedClient
 from ._errors import (
     answered,
-    arguments,
     invalid,
     nonempty,
-    parse_body,
+    read_answer,
     sdk_missing,
     status_error,
+    tool_call,
     unavailable,
     usage_fields,
 )
@@ -80,10 +80,12 @@ class AnthropicGateway(OwnedClient):
             raise status_error(self.provider, idempotency_key, exc) from exc
         except anthropic.APIConnectionError as exc:
             raise unavailable(self.provider, idempotency_key, str(exc)) from exc
-        body = parse_body(self.provider, idempotency_key, content, raw.request_id)
-        request_id = raw.request_id or nonempty(body.get("id"))
-        response = parse_message(
-            body, provider=self.provider, key=idempotency_key, request_id=request_id
+        response = read_answer(
+            parse_message,
+            content,
+            provider=self.provider,
+            key=idempotency_key,
+            request_id=raw.request_id,
         )
         return answered(response)
 
@@ -220,5 +222,11 @@ def anthropic_usage(usage: Any) -> Usage:
 def _tool_use(block: dict[str, Any], provider: str, key: str, rid: str | None) -> ToolCall:
     if not isinstance(block.get("name"), str) or not block["name"]:
         raise invalid(provider, key, "a tool_use block has no name", rid)
-    args = arguments(provider, key, block.get("input", {}), rid)
-    return ToolCall(name=block["name"], arguments=args, id=nonempty(block.get("id")) or "")
+    return tool_call(
+        provider,
+        key,
+        rid,
+        name=block["name"],
+        raw=block.get("input", {}),
+        call_id=nonempty(block.get("id")) or "",
+    )

@@ -18,12 +18,12 @@ from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, 
 from ._client import OwnedClient
 from ._errors import (
     answered,
-    arguments,
     invalid,
     nonempty,
-    parse_body,
+    read_answer,
     sdk_missing,
     status_error,
+    tool_call,
     unavailable,
     usage_fields,
 )
@@ -89,10 +89,14 @@ class OpenAIGateway(OwnedClient):
             raise status_error(self.provider, idempotency_key, exc) from exc
         except openai.APIConnectionError as exc:
             raise unavailable(self.provider, idempotency_key, str(exc)) from exc
-        body = parse_body(self.provider, idempotency_key, raw.http_response.content, raw.request_id)
-        request_id = raw.request_id or nonempty(body.get("id"))
         parse = parse_chat if self.api == "chat" else parse_responses
-        response = parse(body, provider=self.provider, key=idempotency_key, request_id=request_id)
+        response = read_answer(
+            parse,
+            raw.http_response.content,
+            provider=self.provider,
+            key=idempotency_key,
+            request_id=raw.request_id,
+        )
         return answered(response)
 
     def _chat_params(self, request: ModelRequest) -> dict[str, Any]:
@@ -202,8 +206,14 @@ def _chat_call(call: Any, provider: str, key: str, request_id: str | None) -> To
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise invalid(provider, key, "a tool call has no function name", request_id)
-    args = arguments(provider, key, function.get("arguments", ""), request_id)
-    return ToolCall(name=function["name"], arguments=args, id=nonempty(call.get("id")) or "")
+    return tool_call(
+        provider,
+        key,
+        request_id,
+        name=function["name"],
+        raw=function.get("arguments", ""),
+        call_id=nonempty(call.get("id")) or "",
+    )
 
 
 # -- Responses ---------------------------------------------------------------------------
@@ -282,8 +292,14 @@ def _output_texts(content: Any, provider: str, key: str, request_id: str | None)
 def _responses_call(item: dict[str, Any], provider: str, key: str, rid: str | None) -> ToolCall:
     if not isinstance(item.get("name"), str):
         raise invalid(provider, key, "a function call has no name", rid)
-    args = arguments(provider, key, item.get("arguments", ""), rid)
-    return ToolCall(name=item["name"], arguments=args, id=nonempty(item.get("call_id")) or "")
+    return tool_call(
+        provider,
+        key,
+        rid,
+        name=item["name"],
+        raw=item.get("arguments", ""),
+        call_id=nonempty(item.get("call_id")) or "",
+    )
 
 
 def openai_usage(usage: Any, inp: str, out: str) -> Usage:

@@ -51,7 +51,7 @@ from starlette.routing import Route
 
 from .._canonical import canonical_json, sha256_hex
 from ..errors import AsientoError
-from ..gateways._errors import ModelResponseInvalid
+from ..gateways._errors import ModelResponseInvalid, read_answer
 from ..gateways.anthropic import parse_message
 from ..gateways.openai import parse_chat, parse_responses
 from ..lease import Holder, is_dead_here
@@ -398,19 +398,16 @@ def serve(
 
 
 def _recordable(path: str, answer: Stored) -> bool:
-    """Keep only what a gateway could record: a 2xx whose body it can parse."""
+    """Keep only what a gateway would record: a 2xx its own rule (``read_answer``) accepts."""
     if not 200 <= answer.status < 300:
         return False
     if "text/event-stream" in answer.headers.get("content-type", ""):
         return True
     try:
-        body = json.loads(answer.body)
-        if isinstance(body, dict):
-            PARSERS[path](body, provider="upstream", key="proxy", request_id=None)
-            return True
-    except (ValueError, UnicodeDecodeError, ModelResponseInvalid):
-        pass
-    return False
+        read_answer(PARSERS[path], answer.body, provider="upstream", key="proxy", request_id=None)
+    except ModelResponseInvalid:
+        return False
+    return True
 
 
 def _response(answer: Stored | Response) -> Response:

@@ -2,11 +2,14 @@
 
 ``create_app(store_url, token=...)`` is a Starlette app; ``serve(...)`` runs it
 with uvicorn on 127.0.0.1. Pages are rendered on the server (Jinja2, no
-JavaScript, no build step). The buttons post forms that call the same
-``approve`` / ``deny`` / ``resolve`` as the ``asiento`` command, after the same
-checks, so they write the same journal records. When two people decide the same
-step at once, the journal's primary key keeps the first decision and the second
-person is told who decided first. See ``security`` for the token and CSRF.
+JavaScript, no build step); ``/api/runs`` and ``/api/runs/ID`` answer the same
+JSON as ``asiento runs --json`` and ``asiento show --json``. Every one of them
+needs the token (``security``): without it a page answers 401 with the login
+form, and the JSON 401 with ``{"error": ...}``. The buttons post forms that call
+the same ``approve`` / ``deny`` / ``resolve`` as the ``asiento`` command, after
+the same checks, so they write the same journal records. When two people decide
+the same step at once, the journal's primary key keeps the first decision and the
+second person is told who decided first.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from urllib.parse import parse_qsl, quote
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from .. import _cli_format as fmt
@@ -33,11 +36,22 @@ from ..errors import ApprovalError, AsientoError, UsageError
 from ..events import Phase, RunInfo, RunStatus
 from ..harness import approve, deny, resolve
 from ..journal.base import Checkpointer
-from .security import LOOPBACK, SESSION_COOKIE, SESSION_TTL, AllowedHosts, Guard
+from .security import (
+    LOOPBACK,
+    SESSION_COOKIE,
+    SESSION_TTL,
+    AllowedHosts,
+    Guard,
+    check_open_reading,
+)
 from .security import same_origin as _same_origin
 from .templates import STYLE, environment
 
 DEFAULT_PORT = 8765
+TOKEN_MODE = "every page and /api/ answer needs the token"
+OPEN_MODE = (
+    "--open-reading: anyone on this machine reads the runs without the token; writing needs it"
+)
 MAX_FORM = 64 * 1024
 _STYLE_HASH = base64.b64encode(hashlib.sha256(STYLE.encode()).digest()).decode()
 HEADERS = {
@@ -105,11 +119,13 @@ class Pages:
     # -- rendering ---------------------------------------------------------------------
 
     def render(self, request: Request, name: str, code: int = 200, **context: Any) -> Response:
-        operator = self.guard.operator(request.cookies.get(SESSION_COOKIE))
+        access = self.guard.access(request)
+        readable = self.guard.may_read(request, access)
         page = self.env.get_template(name).render(
-            store=fmt.shown_url(self.store_url),
-            operator=operator,
-            csrf=self.guard.csrf(operator),
+            store=fmt.shown_url(self.store_url) if readable else "",
+            operator=access.operator,
+            csrf=self.guard.csrf(access.operator),
+            open_reading=self.guard.open_reading,
             here=context.pop("here", request.url.path),
             message=context.pop("message", ""),
             message_kind=context.pop("message_kind", "info"),
@@ -123,6 +139,37 @@ class Pages:
         return self.render(request, "problem.html", status, here=back, back=back, **context)
 
     # -- reading -----------------------------------------------------------------------
+
+    def reading(self, endpoint: Handler) -> Handler:
+        """``endpoint``, answered only to a request that may read (``Guard.may_read``)."""
+
+        async def guarded(request: Request) -> Response:
+            access = self.guard.access(request)
+            if self.guard.may_read(request, access):
+                return await endpoint(request)
+            why = WRONG_HEADER if access.wrong_header else NEEDS_LOGIN
+            if request.url.path.startswith("/api/"):
+                return _json({"error": why}, 401, {"www-authenticate": "Bearer"})
+            target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            kind = "error" if access.wrong_header else "info"
+            context = {"next": _local(target), "message": why, "message_kind": kind}
+            return self.render(request, "login.html", 401, **context)
+
+        return guarded
+
+    async def runs_json(self, request: Request) -> Response:
+        """``asiento runs --json``: every run (``?status=`` filters)."""
+        status = request.query_params.get("status", "")
+        infos = [i for i in await self.store.runs() if not status or i.status.value == status]
+        return _json([fmt.run_json(info) for info in infos])
+
+    async def run_json(self, request: Request) -> Response:
+        """``asiento show --json``: one run's records, effects and what it awaits."""
+        try:
+            info = await fmt.find_run(self.store, request.path_params["run_id"])
+        except UsageError as exc:
+            return _json({"error": str(exc)}, 404)
+        return _json(fmt.show_json(info, await self.store.load(info.run_id)))
 
     async def runs_page(self, request: Request) -> Response:
         status = request.query_params.get("status", "")
@@ -196,7 +243,7 @@ class Pages:
             return self.problem(request, 403, CROSS_SITE)
         by, target = form.get("by", "").strip(), _local(form.get("next", "/"))
         if not by or len(by) > 100 or not self.guard.token_ok(form.get("token", "")):
-            message = "Wrong token, or no name: both are needed to decide."
+            message = "Wrong token, or no name: both are needed."
             return self.render(
                 request, "login.html", 401, next=target, message=message, message_kind="error"
             )
@@ -212,7 +259,7 @@ class Pages:
 
     async def logout(self, request: Request) -> Response:
         form = await _form(request)
-        operator = self.guard.operator(request.cookies.get(SESSION_COOKIE))
+        operator = self.guard.access(request).operator
         if not _same_origin(request) or (
             operator is not None and not self.guard.csrf_ok(operator, form.get("csrf", ""))
         ):
@@ -257,12 +304,12 @@ class Pages:
         """Who writes: the session's person (with a valid CSRF field), or a Bearer's ``by``."""
         if not _same_origin(request):
             raise _Refused(403, CROSS_SITE)
-        header = request.headers.get("authorization")
-        if header is not None:
-            if not self.guard.bearer_ok(header):
-                raise _Refused(401, "Wrong token in the Authorization header. Nothing recorded.")
+        access = self.guard.access(request)
+        if access.wrong_header:
+            raise _Refused(401, f"{WRONG_HEADER} Nothing recorded.")
+        if access.bearer:
             return _required(form, "by", "say who decides: a 'by' field")
-        operator = self.guard.operator(request.cookies.get(SESSION_COOKIE))
+        operator = access.operator
         if operator is None:
             raise _Refused(401, NEEDS_TOKEN)
         if not self.guard.csrf_ok(operator, form.get("csrf", "")):
@@ -324,6 +371,10 @@ class Pages:
 _PERSON = (Phase.APPROVAL, Phase.RESOLUTION)
 CROSS_SITE = "Cross-site request refused: this form was not sent by this page. Nothing recorded."
 NEEDS_TOKEN = "This action needs the operator token: log in first. Nothing was recorded."
+NEEDS_LOGIN = (
+    "The runs are shown only with the operator token: log in, or send Authorization: Bearer TOKEN."
+)
+WRONG_HEADER = "Wrong token in the Authorization header."
 STALE_FORM = (
     "This form's CSRF field is missing or belongs to another session: reload the page and "
     "try again. Nothing was recorded."
@@ -343,6 +394,10 @@ def _local(target: str) -> str:
     return target if ok else "/"
 
 
+def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    return JSONResponse(data, status, headers={**HEADERS, **(headers or {})})
+
+
 async def _form(request: Request) -> dict[str, str]:
     """An urlencoded form body (the only kind the pages send); the last value of each field."""
     kind = request.headers.get("content-type", "").split(";")[0].strip()
@@ -354,18 +409,32 @@ async def _form(request: Request) -> dict[str, str]:
     return dict(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
 
 
-def create_app(store_url: str, *, token: str, allowed_hosts: Iterable[str] = LOOPBACK) -> Starlette:
-    """The page for the journal at ``store_url`` (it must exist); writes need ``token``.
+def create_app(
+    store_url: str,
+    *,
+    token: str,
+    allowed_hosts: Iterable[str] = LOOPBACK,
+    open_reading: bool = False,
+) -> Starlette:
+    """The page for the journal at ``store_url`` (it must exist); reading and writing need
+    ``token``.
 
     ``allowed_hosts``: the names the page answers to (``Host`` header); the
-    loopback names by default, ``"*"`` for any.
+    loopback names by default, ``"*"`` for any. ``open_reading``: a request that
+    reaches the server on a loopback address (from a loopback address) reads without
+    the token; writes still need it. Serve such an app on 127.0.0.1 only.
     """
     if not token:
         raise UsageError("create_app(token=...) needs a non-empty token")
-    pages = Pages(store_url, Guard(token))
-    routes = [
-        Route("/", pages.runs_page),
-        Route("/runs/{run_id:path}", pages.run_page),
+    pages = Pages(store_url, Guard(token, open_reading=open_reading))
+    reading = {
+        "/": pages.runs_page,
+        "/runs/{run_id:path}": pages.run_page,
+        "/api/runs": pages.runs_json,
+        "/api/runs/{run_id:path}": pages.run_json,
+    }
+    routes = [Route(path, pages.reading(endpoint)) for path, endpoint in reading.items()]
+    routes += [
         Route("/login", pages.login_page),
         Route("/login", pages.login, methods=["POST"]),
         Route("/logout", pages.logout, methods=["POST"]),
@@ -386,14 +455,19 @@ def serve(
     allowed_hosts: Iterable[str] = (),
     token_shown: str | None = None,
     log_level: str = "warning",
+    open_reading: bool = False,
 ) -> None:
-    """Run the page until interrupted; print its URL and the token (``port=0``: a free port)."""
+    """Run the page until interrupted; print its URL, the token and who may read
+    (``port=0``: a free port). ``open_reading`` only on a loopback ``host``."""
     import uvicorn
 
+    allowed_hosts = list(allowed_hosts)
+    if open_reading:
+        check_open_reading(host, allowed_hosts)
     names = [*LOOPBACK, *allowed_hosts]
     if host not in ("0.0.0.0", "::", ""):
         names.append(host)
-    app = create_app(store_url, token=token, allowed_hosts=names)
+    app = create_app(store_url, token=token, allowed_hosts=names, open_reading=open_reading)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -401,9 +475,7 @@ def serve(
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{sock.getsockname()[1]}/"
     print(f"asiento serve: {url} (journal {fmt.shown_url(store_url)})", file=sys.stderr, flush=True)
-    print(
-        f"token: {token_shown or token} (log in at {url}login to decide)",
-        file=sys.stderr,
-        flush=True,
-    )
+    does = "to decide" if open_reading else "to read and decide"
+    print(f"token: {token_shown or token} (log in at {url}login {does})", file=sys.stderr)
+    print(f"mode: {OPEN_MODE if open_reading else TOKEN_MODE}", file=sys.stderr, flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])

@@ -1,14 +1,19 @@
-"""Who may write, and from where: the token, the session cookie, CSRF and Host checks.
+"""Who may read and write, and from where: the token, the session, CSRF and Host checks.
 
-Reading is open to whoever reaches the port (bind it to 127.0.0.1, the
-default). Every request that writes needs the operator token, in one of two ways:
+Run data is personal data (tool arguments hold names, e-mails, amounts), so every
+page and every JSON answer needs the operator token, in one of two ways (``Guard.access``
+tells which a request proved):
 
-- a person logs in with a form (name + token); the server answers with a
-  session cookie signed with a secret made at start (a restart logs everybody
-  out), ``HttpOnly`` and ``SameSite=Strict``; the name is recorded as ``by``;
-- a script sends ``Authorization: Bearer TOKEN`` and a ``by`` form field.
+- a person logs in with a form (name + token, compared in constant time); the server
+  answers with a session cookie signed with a secret made at start (a restart logs
+  everybody out), ``HttpOnly`` and ``SameSite=Strict``; the name is recorded as ``by``;
+- a script sends ``Authorization: Bearer TOKEN`` (and a ``by`` form field to write).
 
-Cross-site requests are refused three times over: a browser does not send a
+The one exception is explicit: ``open_reading`` lets requests that reach the server
+on a loopback address read without the token (``asiento serve --open-reading``, which
+refuses any other address: ``check_open_reading``). Writes need the token always.
+
+Cross-site writes are refused three times over: a browser does not send a
 ``SameSite=Strict`` cookie with a request started by another site; every
 form carries a CSRF field, an HMAC of the session's random id that another
 site cannot read or compute; and a POST whose ``Origin`` (or ``Referer``) is not
@@ -23,6 +28,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import json
 import secrets
 import time
@@ -32,6 +38,8 @@ from urllib.parse import urlsplit
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..errors import UsageError
 
 SESSION_COOKIE = "asiento_session"
 SESSION_TTL = 12 * 3600
@@ -46,12 +54,49 @@ class Operator:
     sid: str
 
 
+@dataclass(frozen=True, slots=True)
+class Access:
+    """What a request proved: a person's session, the token in its header, or neither.
+
+    ``wrong_header``: it sent an ``Authorization`` header without the token; such a
+    request is refused even if it also carries a valid session.
+    """
+
+    operator: Operator | None = None
+    bearer: bool = False
+    wrong_header: bool = False
+
+    @property
+    def has_token(self) -> bool:
+        return not self.wrong_header and (self.bearer or self.operator is not None)
+
+
 class Guard:
     """The token, the session cookies and the CSRF fields of one server process."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, *, open_reading: bool = False) -> None:
         self._token = token.encode()
         self._secret = secrets.token_bytes(32)
+        self.open_reading = open_reading
+
+    def access(self, request: Request) -> Access:
+        """What ``request`` proves: its ``Authorization`` header, else its session cookie."""
+        operator = self.operator(request.cookies.get(SESSION_COOKIE))
+        header = request.headers.get("authorization")
+        if header is None:
+            return Access(operator=operator)
+        if self.bearer_ok(header):
+            return Access(operator=operator, bearer=True)
+        return Access(wrong_header=True)
+
+    def may_read(self, request: Request, access: Access) -> bool:
+        """With the token; or, when reading is open, over a loopback connection."""
+        if access.has_token:
+            return True
+        if not self.open_reading or access.wrong_header:
+            return False
+        server, client = request.scope.get("server"), request.scope.get("client")
+        return bool(server and client and is_loopback(str(server[0])) and is_loopback(client[0]))
 
     def token_ok(self, given: str) -> bool:
         return hmac.compare_digest(given.encode(), self._token)
@@ -89,6 +134,34 @@ class Guard:
     def _sign(self, purpose: str, text: str) -> str:
         mac = hmac.new(self._secret, f"{purpose}:{text}".encode(), hashlib.sha256)
         return mac.hexdigest()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address, or ``localhost``) is this machine's loopback."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
+
+
+def check_open_reading(host: str, allowed_hosts: Iterable[str]) -> None:
+    """Open reading only on a loopback address, and not behind a proxy: else a ``UsageError``."""
+    if not is_loopback(host):
+        raise UsageError(
+            f"--open-reading lets anyone who reaches the port read the runs without the token, "
+            f"so it needs a loopback address; {host!r} is not one (use --host 127.0.0.1, or "
+            "drop --open-reading and log in with the token)"
+        )
+    if list(allowed_hosts):
+        raise UsageError(
+            "--open-reading cannot be combined with --allowed-host: a proxy on this machine "
+            "would hand every visitor's reads to the page over loopback"
+        )
 
 
 def same_origin(request: Request) -> bool:

@@ -85,15 +85,15 @@ BASE = """<!doctype html>
 <header>
   <a class="brand" href="/">asiento</a>
   <span class="store">{{ store }}</span>
-  <span class="who">
+  <span class="who">{% block who %}
   {% if operator %}
     <span>signed in as <b>{{ operator.by }}</b></span>
     <form method="post" action="/logout"><input type="hidden" name="csrf" value="{{ csrf }}">
     <button type="submit">log out</button></form>
   {% else %}
-    <a href="/login?next={{ here|urlencode }}">log in to decide</a>
+    <a href="/login?next={{ here|urlencode }}">log in{% if open_reading %} to decide{% endif %}</a>
   {% endif %}
-  </span>
+  {% endblock %}</span>
 </header>
 <main>
 {% if message %}<div class="banner {{ message_kind }}" role="status">{{ message }}</div>{% endif %}
@@ -231,11 +231,13 @@ RUN = """{% extends "base.html" %}{% from "card.html" import card %}
 
 LOGIN = """{% extends "base.html" %}
 {% block title %}log in{% endblock %}
+{% block who %}{% endblock %}
 {% block main %}
-<h1>Log in to decide</h1>
-<p class="muted">Approving, denying and resolving need the operator token, printed by
-<code>asiento serve</code> at start (or set in <code>$ASIENTO_WEB_TOKEN</code>). Your name is
-recorded with every decision.</p>
+<h1>{% if open_reading %}Log in to decide{% else %}Log in{% endif %}</h1>
+<p class="muted">{% if open_reading %}Approving, denying and resolving need{% else %}Reading
+the runs and deciding need{% endif %} the operator token, printed by <code>asiento serve</code>
+at start (or set in <code>$ASIENTO_WEB_TOKEN</code>). Your name is recorded with every
+decision.</p>
 <form class="login" method="post" action="/login">
   <input type="hidden" name="next" value="{{ next }}">
   <label for="by">Your name</label><input id="by" name="by" required maxlength="100"
