@@ -27,6 +27,7 @@ from rich.text import Text
 from .effects.records import EffectRecord, effect_records_of
 from .errors import ApprovalError, UsageError
 from .events import FINAL_STEP_ID, Decision, Phase, RunInfo, RunStatus, StepEvent
+from .harness import refuse_closed
 from .journal.base import Checkpointer
 from .journal.url import address_of, open_address, shown
 from .replay import StepState, index, step_state
@@ -98,27 +99,33 @@ class Waiting:
 
 
 def waiting_of(events: Sequence[StepEvent], status: RunStatus) -> list[Waiting]:
-    """The tool steps of a run that have no outcome yet and why, in step order."""
+    """The tool steps of a run that have no outcome yet and why, in step order.
+
+    A closed run waits for nobody: what it had in flight is listed as such.
+    """
     journal = index(events)
+    closed = Phase.RESULT in journal.get(FINAL_STEP_ID, {})
     found = []
     for step_id, phases in journal.items():
         if Phase.INTENT not in phases or "/" in step_id:
             continue
         state = step_state(journal, step_id)
-        kind = _awaits(state.records, status)
+        kind = _awaits(state.records, status, closed=closed)
         if kind is not None:
             latest = max(e.created_at for e in state.records.values())
             found.append(_waiting(state.records[Phase.INTENT], state, kind, latest))
     return found
 
 
-def _awaits(records: Mapping[Phase, StepEvent], status: RunStatus) -> str | None:
+def _awaits(records: Mapping[Phase, StepEvent], status: RunStatus, *, closed: bool) -> str | None:
+    if Phase.SUBMITTED in records and not {Phase.RESULT, Phase.RESOLUTION} & records.keys():
+        return "resolution" if status == RunStatus.UNCERTAIN and not closed else "in_flight"
+    if closed:
+        return None
     if records[Phase.INTENT].decision == Decision.REQUIRE_APPROVAL and (
         Phase.APPROVAL not in records
     ):
         return "approval"
-    if Phase.SUBMITTED in records and not {Phase.RESULT, Phase.RESOLUTION} & records.keys():
-        return "resolution" if status == RunStatus.UNCERTAIN else "in_flight"
     return None
 
 
@@ -146,6 +153,7 @@ async def awaiting_decision(store: Checkpointer, run_id: str, step_id: str) -> W
     where = f"run {run_id!r} step {step_id!r}"
     if not records:
         raise UsageError(f"run {run_id!r} has no step {step_id!r}; `asiento show` lists its steps")
+    await refuse_closed(store, run_id, "approved or denied")
     decided = records.get(Phase.APPROVAL)
     if decided is not None:
         raise ApprovalError(f"{where} was already {decided_by(decided)}; nothing was recorded")
@@ -162,6 +170,7 @@ async def awaiting_resolution(store: Checkpointer, run_id: str, step_id: str) ->
     base = step_id.split("/", 1)[0]
     if base not in index(events):
         raise UsageError(f"run {run_id!r} has no step {step_id!r}; `asiento show` lists its steps")
+    await refuse_closed(store, run_id, "resolved")
     for waiting in waiting_of(events, info.status):
         if waiting.step_id == base and waiting.kind != "approval":
             return waiting  # whether a session drives it, resolve() asks under the lease

@@ -314,13 +314,26 @@ def resolve(
 @click.option("--reason", required=True, help="Why the run will not go on.")
 @store_option
 def abandon(run_id: str, by: str, reason: str, store: str) -> None:
-    """Close a run that will not go on; resuming it then does nothing."""
+    """Close a run that will not go on; resuming it then does nothing.
 
-    async def job(journal: Checkpointer) -> None:
+    It takes the run's lease even from a session driving it: once this returns, no
+    new effect of the run starts anywhere, and that session stops at its next
+    write. A step it had in flight (submitted, no outcome recorded) is listed: it
+    may or may not have happened.
+    """
+
+    async def job(journal: Checkpointer) -> list[fmt.Waiting]:
         await abandon_run(journal, run_id, by=by, reason=reason)
+        waiting = fmt.waiting_of(await journal.load(run_id), RunStatus.CLOSED)
+        return [w for w in waiting if w.kind != "approval"]
 
-    with_store(store, job)
+    in_flight = with_store(store, job)
     click.echo(f"run {run_id!r} is closed: abandoned by {by}: {reason}")
+    for waiting in in_flight:
+        click.echo(
+            f"step {waiting.record_id!r} ({waiting.tool}) was in flight: submitted with no "
+            "recorded outcome, so it may or may not have happened; check its destination"
+        )
 
 
 @main.command()

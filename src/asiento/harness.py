@@ -90,7 +90,7 @@ async def _decide(
         raise ApprovalError(f"{where} is not awaiting approval")
     if Phase.APPROVAL in records:
         raise ApprovalError(f"{where} was already decided: {records[Phase.APPROVAL].decision}")
-    await _refuse_closed(store, run_id, "approved or denied")
+    await refuse_closed(store, run_id, "approved or denied")
     frozen = intent.payload.get("fp")
     if fingerprint is not None and fingerprint != frozen:
         raise ApprovalError(
@@ -112,7 +112,7 @@ async def _decide(
             f"{where} was decided by someone else first; nothing recorded"
         ) from None
     except RunClosed:
-        raise _closed_now(run_id, "approved or denied") from None
+        raise closed_error(run_id, "approved or denied") from None
     return event
 
 
@@ -140,7 +140,7 @@ async def resolve(
     if happened:
         payload["result"] = result if result is not None else {"remote_id": remote_id}
     await _uncertain_state(store, run_id, step_id)
-    await _refuse_closed(store, run_id, "resolved")
+    await refuse_closed(store, run_id, "resolved")
     # The run's lease, taken for this one write: a session still driving the run may
     # record the step's own outcome yet (RunLocked), and a stale one writes nothing after.
     async with _holding(store, run_id, busy=_driven) as lease:
@@ -156,7 +156,7 @@ async def resolve(
                 f"{where} was resolved by someone else first; nothing recorded"
             ) from None
         except LeaseLost:  # only abandoning takes the lease from a live holder
-            raise _closed_now(run_id, "resolved") from None
+            raise closed_error(run_id, "resolved") from None
     return event
 
 
@@ -246,12 +246,13 @@ def _driven(run_id: str, exc: RunLocked) -> UsageError:
     )
 
 
-async def _refuse_closed(store: Checkpointer, run_id: str, done: str) -> None:
+async def refuse_closed(store: Checkpointer, run_id: str, done: str) -> None:
+    """``RunClosed`` if the run is closed: a person's decision on it would change nothing."""
     if await store.final(run_id) is not None:
-        raise _closed_now(run_id, done)
+        raise closed_error(run_id, done)
 
 
-def _closed_now(run_id: str, done: str) -> RunClosed:
+def closed_error(run_id: str, done: str) -> RunClosed:
     return RunClosed(
         f"run {run_id!r} is closed: a closed run cannot be {done}, and nothing was recorded. "
         "`asiento show` tells how it ended"
