@@ -366,6 +366,19 @@ async def test_dead_holder_on_this_host_is_taken_over_at_once(store: Checkpointe
     assert taken.token == first.token + 1
 
 
+async def test_dead_holder_recorded_without_its_pid_namespace_waits_for_expiry(
+    store: Checkpointer,
+) -> None:
+    """A row written before namespaces were recorded ("host/boot") proves no death: RunLocked."""
+    pid, started = dead_pid()
+    old_host = hostname().rsplit("/pidns:", 1)[0]
+    old = Holder(owner="old", host=old_host, pid=pid, started=started)
+    await store.acquire("run-1", old, ttl=300)
+    with pytest.raises(RunLocked, match=rf"pid {pid} on {old_host}"):
+        await store.acquire("run-1", holder("b"), ttl=30)
+    assert (await info_of(store)).lease_owner == "old"
+
+
 async def test_stale_lease_appends_nothing(store: Checkpointer) -> None:
     """After a takeover, the old lease's append raises LeaseLost and writes nothing."""
     pid, started = dead_pid()

@@ -23,8 +23,9 @@ Everything else (other paths, no key) is forwarded as it is. Keys are scoped by
 the credentials that sent them (a hash of ``Authorization`` / ``x-api-key``),
 so two tenants of one proxy never see each other's answers.
 
-An in-flight claim holds a lease: a claim whose proxy process died on this
-host is taken over at once; one from another host once its lease runs out.
+An in-flight claim holds a lease: a claim whose proxy process died in this
+PID namespace of this host is taken over at once; one from another host or
+another container once its lease runs out.
 """
 
 from __future__ import annotations
