@@ -13,7 +13,9 @@ resume. Put this proxy between the gateway and the provider and it does not:
   ``wait`` seconds, then ``409`` with ``Retry-After``, which the SDKs retry);
 - the same key with another body is refused with ``422``
   (``idempotency_key_reused``), never answered with the other body's answer;
-- keys expire ``ttl`` seconds after their first use.
+- keys expire ``ttl`` seconds after their first use;
+- a request with ``"stream": true`` is passed through as it streams, never
+  claimed nor kept (``Asiento-Gateway: passthrough-stream``; see ``_stream``).
 
 The upstream call belongs to the proxy, not to the client's connection: a
 client killed mid-request does not cancel it, and its answer is kept for the
@@ -60,6 +62,7 @@ from ..gateways._errors import ModelResponseInvalid
 from ..gateways.anthropic import parse_message
 from ..gateways.openai import parse_chat, parse_responses
 from ..lease import Holder, is_dead_here
+from ._stream import PassedThrough, wants_stream
 
 DEFAULT_PORT = 8787
 DEFAULT_TTL = 24 * 3600.0
@@ -271,6 +274,7 @@ class ProxyStats:
     upstream_calls: int = 0
     replayed: int = 0
     conflicts: int = 0
+    streams_passed_through: int = 0
 
 
 class IdempotencyProxy:
@@ -296,6 +300,8 @@ class IdempotencyProxy:
         if path != "/v1" and not path.startswith("/v1/"):
             return _error(404, f"no route {path}; the proxy serves /v1/...", "not_found")
         body = await request.body()
+        if request.method == "POST" and wants_stream(body):
+            return await self._pass_stream(request, body)
         key = request.headers.get("idempotency-key")
         if request.method != "POST" or not key or path not in PARSERS:
             return await self._forward(request, body)
@@ -371,6 +377,18 @@ class IdempotencyProxy:
             return _error(502, f"upstream {url} failed: {type(exc).__name__}: {exc}", "upstream")
         kept = {k: v for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_DROP}
         return Stored(upstream.status_code, kept, upstream.content)
+
+    async def _pass_stream(self, request: Request, body: bytes) -> Response:
+        """Relay a streamed request as it streams: no claim, nothing kept (see ``_stream``)."""
+        url, headers = self._upstream_request(request)
+        self.stats.upstream_calls += 1
+        self.stats.streams_passed_through += 1
+        sent = self.client.build_request(request.method, url, content=body, headers=headers)
+        try:
+            upstream = await self.client.send(sent, stream=True)
+        except httpx.HTTPError as exc:
+            return _error(502, f"upstream {url} failed: {type(exc).__name__}: {exc}", "upstream")
+        return PassedThrough(upstream, _RESPONSE_DROP)
 
     def _upstream_request(self, request: Request) -> tuple[str, dict[str, str]]:
         url = self.upstream + request.url.path.removeprefix("/v1")
