@@ -113,7 +113,7 @@ async def one_pass(db: str, run_id: str, tool: Tool, arguments: dict[str, Any]) 
             if isinstance(step, FinalStep):
                 ended = {"ended": "closed", "replayed": step.replayed}
     except UncertainEffect as exc:
-        ended = {"ended": "uncertain", "step_id": exc.step_id}
+        ended = {"ended": "uncertain", "step_id": exc.step_id, "why": str(exc)}
     finally:
         await store.close()
     return ended
