@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import asiento._clock
 from asiento import (
     Agent,
     ApprovalStep,
@@ -278,6 +279,39 @@ async def test_payload_round_trips(store: Checkpointer) -> None:
     assert loaded == event
     assert loaded.payload == payload
     assert isinstance(loaded.phase, Phase)
+
+
+# -- the age of a record: what judges an idempotency key ----------------------------------
+
+
+async def test_age_counts_from_when_the_record_was_written(store: Checkpointer) -> None:
+    """A record just written is as old as the time since; a record that is not there has none."""
+    start = time.monotonic()
+    await store.append(ev("m1.t1", Phase.SUBMITTED))
+    age = await store.age("run-1", "m1.t1", Phase.SUBMITTED)
+    elapsed = time.monotonic() - start
+    assert age is not None
+    assert 0.0 <= age <= elapsed + 0.05  # the 0.05 s: two clocks read, not a time limit
+    assert await store.age("run-1", "m1.t1", Phase.RESULT) is None
+    assert await store.age("run-1", "m1.t2", Phase.SUBMITTED) is None
+    assert await store.age("run-2", "m1.t1", Phase.SUBMITTED) is None
+
+
+async def test_age_is_judged_on_the_store_clock(
+    store: Checkpointer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written by a process whose clock is an hour ahead, then read on a true clock: SQLite
+    and memory judge on the local clock (the age reads negative), PostgreSQL on the server's
+    (the writer's clock does not count)."""
+    monkeypatch.setattr(asiento._clock, "skew", 3600.0)
+    await store.append(ev("m1.t1", Phase.SUBMITTED))
+    monkeypatch.setattr(asiento._clock, "skew", 0.0)
+    age = await store.age("run-1", "m1.t1", Phase.SUBMITTED)
+    assert age is not None
+    if isinstance(store, PostgresCheckpointer):
+        assert 0.0 <= age < 1800.0
+    else:
+        assert -3600.0 <= age < -1800.0
 
 
 # -- leases --------------------------------------------------------------------------------
