@@ -842,7 +842,13 @@ def test_gateway_serves_the_proxy(tmp_path: Path) -> None:
 def test_gateway_defaults_are_the_proxys() -> None:
     """The defaults `gateway --help` documents are the proxy's own."""
     from asiento.cli import gateway
-    from asiento.proxy import DEFAULT_PORT, DEFAULT_TTL, DEFAULT_UPSTREAM
+    from asiento.proxy import (
+        DEFAULT_LEASE,
+        DEFAULT_PORT,
+        DEFAULT_TTL,
+        DEFAULT_UPSTREAM,
+        DEFAULT_UPSTREAM_TIMEOUT,
+    )
 
     defaults = {p.name: p.default for p in gateway.params}
     assert (defaults["upstream"], defaults["port"], defaults["ttl"]) == (
@@ -850,6 +856,11 @@ def test_gateway_defaults_are_the_proxys() -> None:
         DEFAULT_PORT,
         DEFAULT_TTL,
     )
+    assert (defaults["upstream_timeout"], defaults["lease"]) == (
+        DEFAULT_UPSTREAM_TIMEOUT,
+        DEFAULT_LEASE,
+    )
+    assert defaults["read_timeout"] is None  # the proxy's default: the upstream timeout
 
 
 def clean_env() -> dict[str, str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -20,7 +19,14 @@ from . import context, shutdown
 from ._canonical import FingerprintChain, canonical_json, fingerprint, idem_key
 from ._crash import crash_point
 from .context import StepContext
-from .effects.base import Effect, EffectRejected, Published, Reconcile, reconcile
+from .effects.base import (
+    Effect,
+    EffectRejected,
+    Published,
+    Reconcile,
+    distrust_key,
+    reconcile,
+)
 from .errors import (
     AsientoError,
     LeaseLost,
@@ -406,17 +412,21 @@ class _Pass:
     async def _reconcile(
         self, state: StepState, call: ToolCall, tool: Tool, effect: Effect
     ) -> None:
-        """Submitted, no outcome: a live key, then a lookup, else a person."""
-        first = self.journal[state.step_id][Phase.SUBMITTED].created_at
+        """Submitted, no outcome: a live key, then a lookup, else a person.
+
+        The key's age is the store's: on PostgreSQL the server's clock judges when the
+        step was first submitted, so no client's clock can make an old key look fresh.
+        """
+        age = await self.store.age(self.run_id, state.step_id, Phase.SUBMITTED)
         how = reconcile(
             honours_keys=effect.honours_keys,
             key_ttl=effect.key_ttl,
             has_lookup=effect.has_lookup,
-            first_submitted_at=first,
-            now=time.time(),
+            age=age,
+            key_margin=effect.key_margin,
         )
         if how is Reconcile.UNCERTAIN:
-            await self._uncertain(state, call, _why_uncertain(effect))
+            await self._uncertain(state, call, _why_uncertain(effect, age))
         if how is Reconcile.LOOKUP:
             found = await effect.lookup(state.records[Phase.INTENT].payload["prepared"])
             if found is not None:
@@ -620,11 +630,10 @@ def _published(published: Published, via: str, attempts: int) -> dict[str, Any]:
     return outcome
 
 
-def _why_uncertain(effect: Effect) -> str:
+def _why_uncertain(effect: Effect, age: float | None) -> str:
     if effect.honours_keys:
-        return (
-            f"Its idempotency key is older than its TTL ({effect.key_ttl}s) and it has no lookup."
-        )
+        why = distrust_key(age=age, key_ttl=effect.key_ttl, key_margin=effect.key_margin)
+        return f"{why} It has no lookup."
     return "Its destination does not honour idempotency keys and it has no lookup."
 
 

@@ -500,10 +500,32 @@ def worker(store: str, target: str, poll: float, until_idle: bool) -> None:
     default=600.0,
     show_default=True,
     type=float,
-    help="Timeout of one upstream call, in seconds.",
+    help="Seconds one upstream answer may take, from sending the request to its last byte.",
+)
+@click.option(
+    "--read-timeout",
+    default=None,
+    type=float,
+    help="Seconds upstream may stay silent while it answers (default: the upstream timeout).",
+)
+@click.option(
+    "--lease",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="Seconds a key in flight stays claimed past its proxy's last renewal (renewed "
+    "every third of it while the upstream call is alive).",
 )
 def gateway(
-    upstream: str, db: str, host: str, port: int, ttl: float, wait: float, upstream_timeout: float
+    upstream: str,
+    db: str,
+    host: str,
+    port: int,
+    ttl: float,
+    wait: float,
+    upstream_timeout: float,
+    read_timeout: float | None,
+    lease: float,
 ) -> None:
     """Run an OpenAI-compatible proxy that honours Idempotency-Key durably.
 
@@ -526,6 +548,8 @@ def gateway(
             ttl=ttl,
             wait=wait,
             upstream_timeout=upstream_timeout,
+            read_timeout=read_timeout,
+            lease=lease,
         )
     except (AsientoError, OSError) as exc:
         raise CommandError(str(exc)) from None

@@ -7,12 +7,12 @@ what a caller sees; each is yielded only once the records behind it are durable.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from . import _clock
 from .model import ModelResponse, ToolCall
 
 FINAL_STEP_ID = "final"
@@ -57,7 +57,7 @@ class StepEvent:
     phase: Phase
     payload: Mapping[str, Any] = field(default_factory=dict)
     decision: Decision | None = None
-    created_at: float = field(default_factory=time.time)
+    created_at: float = field(default_factory=_clock.now)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,6 +3,9 @@
     python child.py --db runs.db --run run-1 http --url URL [--keys] [--ttl S] [--lookup]
     python child.py --db runs.db --run run-1 file --root DIR --log FILE
 
+``--db`` is anything ``open_store`` opens (a SQLite path, a PostgreSQL DSN);
+``--skew S`` runs the pass on a clock S seconds ahead (behind when negative).
+
 The model (scripted) asks for one effect, then answers "done". The pass prints
 one JSON line: {"ended": "closed"} or {"ended": "uncertain", "step_id": ...}
 (exit 3). Armed with ASIENTO_CRASH_AT, it kills itself with SIGKILL there.
@@ -23,15 +26,16 @@ from typing import Any
 
 import httpx
 
+import asiento._clock
 from asiento import (
     Agent,
     FinalStep,
     ModelResponse,
     Session,
-    SqliteCheckpointer,
     Tool,
     ToolCall,
     UncertainEffect,
+    open_store,
 )
 from asiento.effects import HttpEffect, Published, WriteFile
 from asiento.testing import ScriptedGateway
@@ -101,7 +105,7 @@ def script(tool: Tool, arguments: dict[str, Any]) -> ScriptedGateway:
 async def one_pass(db: str, run_id: str, tool: Tool, arguments: dict[str, Any]) -> dict[str, Any]:
     """Drive the run as far as it goes; how it ended."""
     agent = Agent(instructions="Publish what you are asked to.", tools=[tool])
-    store = SqliteCheckpointer(db)
+    store = await open_store(db)
     session = Session(run_id, script(tool, arguments), store)
     ended: dict[str, Any] = {"ended": "not closed"}
     try:
@@ -109,7 +113,7 @@ async def one_pass(db: str, run_id: str, tool: Tool, arguments: dict[str, Any]) 
             if isinstance(step, FinalStep):
                 ended = {"ended": "closed", "replayed": step.replayed}
     except UncertainEffect as exc:
-        ended = {"ended": "uncertain", "step_id": exc.step_id}
+        ended = {"ended": "uncertain", "step_id": exc.step_id, "why": str(exc)}
     finally:
         await store.close()
     return ended
@@ -119,6 +123,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--db", required=True)
     parser.add_argument("--run", required=True)
+    parser.add_argument("--skew", type=float, default=0.0)
     kinds = parser.add_subparsers(dest="kind", required=True)
     http = kinds.add_parser("http")
     http.add_argument("--url", required=True)
@@ -133,6 +138,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    asiento._clock.skew = args.skew
     if args.kind == "http":
         effect = invoice_effect(args.url, keys=args.keys, ttl=args.ttl, lookup=args.lookup)
         tool, arguments = effect.as_tool(), INVOICE

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
-from asiento import Phase, RunStatus, SqliteCheckpointer, StepEvent, resolve
+from asiento import Phase, RunStatus, SqliteCheckpointer, StepEvent, open_store, resolve
 from asiento.effects import EffectRecord, effect_records
 from asiento.testing import ENV_VAR
 from asiento.testserver import InvoiceServer
@@ -96,18 +97,23 @@ EXPECTED = {
 
 @dataclass
 class Scenario:
-    """One run driven by successive children against one destination."""
+    """One run driven by successive children against one destination.
 
-    db: Path
+    ``db`` is a SQLite file or a PostgreSQL DSN.
+    """
+
+    db: Path | str
     argv: list[str]
     ends: list[str] = field(default_factory=list)
 
-    def child(self, crash_at: str | None) -> dict[str, Any]:
-        """One pass in a fresh process; how it ended (``killed`` when SIGKILL hit)."""
+    def child(self, crash_at: str | None, *, skew: float = 0.0) -> dict[str, Any]:
+        """One pass in a fresh process whose clock is ``skew`` seconds ahead; how it ended
+        (``killed`` when SIGKILL hit)."""
         env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
         if crash_at:
             env[ENV_VAR] = crash_at
-        argv = [sys.executable, str(CHILD), "--db", str(self.db), "--run", RUN, *self.argv]
+        argv = [sys.executable, str(CHILD), "--db", str(self.db), "--run", RUN]
+        argv += ["--skew", repr(skew), *self.argv]
         proc = subprocess.run(
             argv, env=env, capture_output=True, text=True, timeout=60, check=False
         )
@@ -260,10 +266,158 @@ async def test_key_age_counts_from_the_first_submission(tmp_path: Path) -> None:
         age_first_submission(scenario.db, 7200)
         server.expire_keys()
         ended = scenario.child(None)
-        assert ended == {"ended": "uncertain", "step_id": "m1.t1/2"}
+        assert (ended["ended"], ended["step_id"]) == ("uncertain", "m1.t1/2")
         assert server.posts == 0
         await resume_until_settled(scenario, server, [], [False])
         await check_closed(scenario.db, Expect("publish", 3, 1), server)
+
+
+# -- clocks: a key's age is judged on one clock, conservatively ----------------------------
+
+TTL = 3600.0  # the effect's key_ttl; its default margin is 360 s
+KEYED = ["--keys", "--ttl", repr(TTL)]
+DAY = 86400.0
+# (writer's clock, resumer's clock), seconds ahead of the true time.
+SKEWED = {
+    "writer 30 s ahead": (30.0, 0.0),
+    "resumer 30 s behind": (0.0, -30.0),
+    "both": (30.0, -30.0),
+}
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
+    """The journal of one scenario: a SQLite file, or a PostgreSQL schema of its own."""
+    if request.param == "sqlite":
+        return tmp_path / "runs.db"
+    return str(request.getfixturevalue("pg_dsn"))
+
+
+def time_passes(db: Path | str, seconds: float) -> None:
+    """``seconds`` go by on every clock: every time recorded for the run moves that far back."""
+    if isinstance(db, Path):
+        with sqlite3.connect(db) as conn:
+            conn.execute("UPDATE journal SET created_at = created_at - ?", (seconds,))
+        conn.close()
+        return
+    with psycopg.connect(db) as pg:
+        found = pg.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_schema ="
+            " current_schema() AND table_name = 'journal' AND data_type = 'double precision'"
+        ).fetchall()
+        for (column,) in found:  # created_at, and the server's written_at where there is one
+            pg.execute(f"UPDATE journal SET {column} = {column} - %s", (seconds,))
+
+
+async def outcome_of(db: Path | str) -> tuple[RunStatus, list[StepEvent]]:
+    """The run's status and its effect step's result records."""
+    store = await open_store(db)
+    try:
+        (info,) = await store.runs()
+        return info.status, results_of_effect(await store.load(RUN))
+    finally:
+        await store.close()
+
+
+def published_then_killed(
+    db: Path | str, server: InvoiceServer, flags: list[str], skew: float
+) -> Scenario:
+    """A writer whose clock is ``skew`` ahead publishes one invoice, and dies before the result."""
+    scenario = Scenario(db, ["http", "--url", server.invoices_url, *flags])
+    assert scenario.child("after_publish", skew=skew)["ended"] == "killed"
+    assert len(server.invoices) == 1
+    return scenario
+
+
+@pytest.mark.parametrize("skews", list(SKEWED))
+async def test_a_key_just_past_its_ttl_is_not_republished_whatever_the_clocks(
+    db: Path | str, skews: str
+) -> None:
+    """The key just past its TTL, with the writer's clock ahead or the resumer's behind:
+    no second invoice, but UncertainEffect saying the key is too old."""
+    writer, resumer = SKEWED[skews]
+    with InvoiceServer(honour_keys=True) as server:
+        scenario = published_then_killed(db, server, KEYED, writer)
+        time_passes(db, TTL + 1)
+        server.expire_keys()  # the destination kept the key for its TTL, then forgot it
+        ended = scenario.child(None, skew=resumer)
+        assert len(server.invoices) == 1, "an expired key was trusted: a second invoice"
+        assert ended["ended"] == "uncertain", ended
+        assert "old; the destination keeps keys 3600s" in ended["why"]
+        assert server.posts == 1
+    status, results = await outcome_of(db)
+    assert (status, results) == (RunStatus.UNCERTAIN, [])
+
+
+async def test_a_key_just_past_its_ttl_is_looked_up(db: Path | str) -> None:
+    """The same with a lookup: the invoice is found and recorded, nothing is published again."""
+    with InvoiceServer(honour_keys=True) as server:
+        scenario = published_then_killed(db, server, [*KEYED, "--lookup"], 30.0)
+        time_passes(db, TTL + 1)
+        server.expire_keys()
+        assert scenario.child(None, skew=-30.0)["ended"] == "closed"
+        (invoice,) = server.invoices
+        assert server.posts == 1
+    status, (result,) = await outcome_of(db)
+    assert status is RunStatus.CLOSED
+    assert (result.payload["via"], result.payload["remote_id"]) == ("lookup", invoice["id"])
+
+
+async def test_a_writer_a_day_ahead_cannot_make_an_expired_key_look_fresh(db: Path | str) -> None:
+    """A writer's clock a day ahead and the key past its TTL: on SQLite the age reads
+    negative (never fresh), on PostgreSQL the server's clock says how old it is."""
+    with InvoiceServer(honour_keys=True) as server:
+        scenario = published_then_killed(db, server, KEYED, DAY)
+        time_passes(db, TTL + 1)
+        server.expire_keys()
+        ended = scenario.child(None)
+        assert len(server.invoices) == 1, "an expired key was trusted: a second invoice"
+        assert ended["ended"] == "uncertain", ended
+        assert server.posts == 1
+
+
+async def test_on_sqlite_a_negative_age_is_not_fresh(tmp_path: Path) -> None:
+    """The local clock went back a day since the key was first sent: its age cannot be
+    trusted, even though the destination still remembers it."""
+    with InvoiceServer(honour_keys=True) as server:
+        scenario = published_then_killed(tmp_path / "runs.db", server, KEYED, DAY)
+        ended = scenario.child(None)
+        assert ended["ended"] == "uncertain", ended
+        assert "from the future" in ended["why"]
+        assert (len(server.invoices), server.posts) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("writer", "resumer"), [(-DAY, 0.0), (0.0, DAY), (DAY, -DAY)], ids=["behind", "ahead", "both"]
+)
+async def test_on_postgres_client_clocks_do_not_count(
+    pg_dsn: str, writer: float, resumer: float
+) -> None:
+    """Clients a day off either way: the server's clock says the key is fresh, and the
+    resume republishes under it; the destination answers with the same invoice."""
+    with InvoiceServer(honour_keys=True) as server:
+        scenario = published_then_killed(pg_dsn, server, KEYED, writer)
+        assert scenario.child(None, skew=resumer)["ended"] == "closed"
+        (invoice,) = server.invoices
+        assert server.posts == 2
+    status, (result,) = await outcome_of(pg_dsn)
+    assert status is RunStatus.CLOSED
+    assert (result.payload["via"], result.payload["remote_id"]) == ("republish", invoice["id"])
+
+
+@pytest.mark.parametrize("window", ["after_submitted", "after_publish"])
+async def test_a_key_well_inside_its_ttl_is_republished(db: Path | str, window: str) -> None:
+    """Half the TTL gone by, clocks 30 s off both ways: the key is republished, and the run
+    closes with exactly one invoice."""
+    with InvoiceServer(honour_keys=True) as server:
+        scenario = Scenario(db, ["http", "--url", server.invoices_url, *KEYED])
+        assert scenario.child(window, skew=30.0)["ended"] == "killed"
+        time_passes(db, TTL / 2)
+        assert scenario.child(None, skew=-30.0)["ended"] == "closed"
+        (invoice,) = server.invoices
+    status, (result,) = await outcome_of(db)
+    assert status is RunStatus.CLOSED
+    assert (result.payload["via"], result.payload["remote_id"]) == ("republish", invoice["id"])
 
 
 # -- WriteFile -------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from asiento import (
     SqliteCheckpointer,
     Tool,
     ToolCall,
+    UsageError,
     require_approval_for,
 )
 from asiento.effects import (
@@ -33,11 +35,10 @@ from asiento.effects import (
 from asiento.testing import ScriptedGateway
 from asiento.testserver import InvoiceServer
 
-from .child import INVOICE, invoice_effect
+from .child import INVOICE, PublishInvoice, invoice_effect
 
 RUN = "rpt-2026-09-17-a1b2"
 TTL = 24 * 3600.0
-T0 = 1_000_000.0
 
 
 def seed_idem_key(run_id: str, step_id: str, params: dict[str, Any]) -> str:
@@ -47,17 +48,19 @@ def seed_idem_key(run_id: str, step_id: str, params: dict[str, Any]) -> str:
     return f"{run_id}:{step_id}:{digest}"
 
 
-def table(*, keys: bool, ttl: float | None, lookup: bool, age: float) -> Reconcile:
-    return reconcile(
-        honours_keys=keys, key_ttl=ttl, has_lookup=lookup, first_submitted_at=T0, now=T0 + age
-    )
+def table(
+    *, keys: bool, ttl: float | None, lookup: bool, age: float | None, margin: float | None = None
+) -> Reconcile:
+    return reconcile(honours_keys=keys, key_ttl=ttl, has_lookup=lookup, age=age, key_margin=margin)
 
 
 # -- the reconcile table, one test per row ------------------------------------------------
 
+MARGIN = 3600.0  # the default margin of a 24 h TTL: 10% of it, at most an hour
+
 
 def test_live_key_is_republished() -> None:
-    """Keys honoured and younger than the TTL: publish again with the same key."""
+    """Keys honoured and younger than the TTL minus the margin: publish again with the same key."""
     assert table(keys=True, ttl=TTL, lookup=False, age=60.0) is Reconcile.REPUBLISH
 
 
@@ -71,9 +74,15 @@ def test_key_without_ttl_never_expires() -> None:
     assert table(keys=True, ttl=None, lookup=False, age=10 * 365 * 86400.0) is Reconcile.REPUBLISH
 
 
-def test_key_just_below_ttl_is_alive() -> None:
-    """A key one second short of its TTL is still trusted."""
-    assert table(keys=True, ttl=TTL, lookup=False, age=TTL - 1.0) is Reconcile.REPUBLISH
+def test_key_just_below_ttl_minus_margin_is_alive() -> None:
+    """A key one second short of its TTL minus the margin is still trusted."""
+    assert table(keys=True, ttl=TTL, lookup=False, age=TTL - MARGIN - 1) is Reconcile.REPUBLISH
+
+
+def test_key_inside_the_margin_is_not_trusted() -> None:
+    """From TTL minus the margin on, a skewed clock could hide an expired key: look up."""
+    assert table(keys=True, ttl=TTL, lookup=True, age=TTL - MARGIN) is Reconcile.LOOKUP
+    assert table(keys=True, ttl=TTL, lookup=False, age=TTL - 30.0) is Reconcile.UNCERTAIN
 
 
 def test_key_exactly_at_ttl_is_expired_then_lookup() -> None:
@@ -96,6 +105,13 @@ def test_expired_key_without_lookup_is_uncertain() -> None:
     assert table(keys=True, ttl=TTL, lookup=False, age=3 * 86400.0) is Reconcile.UNCERTAIN
 
 
+@pytest.mark.parametrize("age", [-0.001, -86400.0, math.nan, math.inf, -math.inf, None])
+def test_an_age_that_cannot_be_trusted_is_never_fresh(age: float | None) -> None:
+    """Negative (a clock ahead or gone back), not a number, or unknown: look up, or a person."""
+    assert table(keys=True, ttl=TTL, lookup=True, age=age) is Reconcile.LOOKUP
+    assert table(keys=True, ttl=TTL, lookup=False, age=age) is Reconcile.UNCERTAIN
+
+
 def test_no_keys_with_lookup_looks_up() -> None:
     """A destination that ignores keys is reconciled by lookup, however young the step."""
     assert table(keys=False, ttl=None, lookup=True, age=0.0) is Reconcile.LOOKUP
@@ -104,6 +120,47 @@ def test_no_keys_with_lookup_looks_up() -> None:
 def test_no_keys_no_lookup_is_uncertain() -> None:
     """Neither keys nor lookup: UncertainEffect even a millisecond after submitting."""
     assert table(keys=False, ttl=TTL, lookup=False, age=0.001) is Reconcile.UNCERTAIN
+
+
+# -- the margin ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ttl", "margin"),
+    [(30.0, 60.0), (600.0, 60.0), (3600.0, 360.0), (7200.0, 720.0), (TTL, 3600.0), (1e9, 3600.0)],
+)
+def test_default_margin_is_a_tenth_of_the_ttl_between_a_minute_and_an_hour(
+    ttl: float, margin: float
+) -> None:
+    """10% of the TTL, at least 60 s and at most 1 h: trusted below TTL - margin only."""
+    assert table(keys=True, ttl=ttl, lookup=False, age=max(ttl - margin - 1, 0)) is (
+        Reconcile.REPUBLISH if ttl > margin else Reconcile.UNCERTAIN
+    )
+    assert table(keys=True, ttl=ttl, lookup=False, age=ttl - margin) is Reconcile.UNCERTAIN
+
+
+def test_margin_is_configurable() -> None:
+    """key_margin=0 trusts a key up to its TTL; a wider margin trusts it for less time."""
+    assert table(keys=True, ttl=TTL, lookup=False, age=TTL - 1, margin=0) is Reconcile.REPUBLISH
+    wide = TTL / 2
+    assert table(keys=True, ttl=TTL, lookup=False, age=wide - 1, margin=wide) is Reconcile.REPUBLISH
+    assert table(keys=True, ttl=TTL, lookup=False, age=wide, margin=wide) is Reconcile.UNCERTAIN
+
+
+@pytest.mark.parametrize(
+    ("ttl", "margin"), [(TTL, -1.0), (TTL, math.nan), (TTL, math.inf), (-1.0, None)]
+)
+def test_a_margin_or_ttl_that_is_not_seconds_is_refused(ttl: float, margin: float | None) -> None:
+    """A negative or non-finite margin (or TTL) would trust keys too long: UsageError."""
+    with pytest.raises(UsageError, match="must be None or a number of seconds >= 0"):
+        table(keys=True, ttl=ttl, lookup=False, age=1.0, margin=margin)
+
+
+def test_an_effect_with_a_bad_margin_is_refused_when_it_becomes_a_tool() -> None:
+    """The mistake surfaces when the agent is built, naming the effect, not at a resume."""
+    bad = type("BadMargin", (PublishInvoice,), {"honours_keys": True, "key_margin": -5.0})
+    with pytest.raises(UsageError, match="BadMargin: key_margin must be"):
+        bad("http://127.0.0.1:9/invoices").as_tool()
 
 
 # -- the idempotency key -----------------------------------------------------------------

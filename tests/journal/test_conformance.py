@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import asiento._clock
 from asiento import (
     Agent,
     ApprovalStep,
@@ -281,6 +282,39 @@ async def test_payload_round_trips(store: Checkpointer) -> None:
     assert isinstance(loaded.phase, Phase)
 
 
+# -- the age of a record: what judges an idempotency key ----------------------------------
+
+
+async def test_age_counts_from_when_the_record_was_written(store: Checkpointer) -> None:
+    """A record just written is as old as the time since; a record that is not there has none."""
+    start = time.monotonic()
+    await store.append(ev("m1.t1", Phase.SUBMITTED))
+    age = await store.age("run-1", "m1.t1", Phase.SUBMITTED)
+    elapsed = time.monotonic() - start
+    assert age is not None
+    assert 0.0 <= age <= elapsed + 0.05  # the 0.05 s: two clocks read, not a time limit
+    assert await store.age("run-1", "m1.t1", Phase.RESULT) is None
+    assert await store.age("run-1", "m1.t2", Phase.SUBMITTED) is None
+    assert await store.age("run-2", "m1.t1", Phase.SUBMITTED) is None
+
+
+async def test_age_is_judged_on_the_store_clock(
+    store: Checkpointer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Written by a process whose clock is an hour ahead, then read on a true clock: SQLite
+    and memory judge on the local clock (the age reads negative), PostgreSQL on the server's
+    (the writer's clock does not count)."""
+    monkeypatch.setattr(asiento._clock, "skew", 3600.0)
+    await store.append(ev("m1.t1", Phase.SUBMITTED))
+    monkeypatch.setattr(asiento._clock, "skew", 0.0)
+    age = await store.age("run-1", "m1.t1", Phase.SUBMITTED)
+    assert age is not None
+    if isinstance(store, PostgresCheckpointer):
+        assert 0.0 <= age < 1800.0
+    else:
+        assert -3600.0 <= age < -1800.0
+
+
 # -- leases --------------------------------------------------------------------------------
 
 
@@ -365,6 +399,19 @@ async def test_dead_holder_on_this_host_is_taken_over_at_once(store: Checkpointe
     first = await store.acquire("run-1", gone, ttl=300)
     taken = await store.acquire("run-1", holder("b"), ttl=30)
     assert taken.token == first.token + 1
+
+
+async def test_dead_holder_recorded_without_its_pid_namespace_waits_for_expiry(
+    store: Checkpointer,
+) -> None:
+    """A row written before namespaces were recorded ("host/boot") proves no death: RunLocked."""
+    pid, started = dead_pid()
+    old_host = hostname().rsplit("/pidns:", 1)[0]
+    old = Holder(owner="old", host=old_host, pid=pid, started=started)
+    await store.acquire("run-1", old, ttl=300)
+    with pytest.raises(RunLocked, match=rf"pid {pid} on {old_host}"):
+        await store.acquire("run-1", holder("b"), ttl=30)
+    assert (await info_of(store)).lease_owner == "old"
 
 
 async def test_stale_lease_appends_nothing(store: Checkpointer) -> None:

@@ -11,7 +11,10 @@ made for) and records every request's headers. Knobs: ``fail_next`` (429 /
 500 / 400 ...), ``delay_turn`` (the generation is counted, the answer comes
 late), ``garble_next`` (a 200 whose body cannot be parsed, still billed),
 ``cache`` (prompt-cache tokens, read and written, reported with every answer
-the way each API reports them).
+the way each API reports them), ``trickle_turn`` (the answer's bytes sent a
+few at a time over some seconds), ``hold_stream`` (a stream stops after its
+first event until the test lets it go on). A Chat Completions request with
+``"stream": true`` is answered as server-sent events, chunk by chunk.
 
 ``AsgiServer`` runs an ASGI app (the idempotency proxy) with uvicorn in a thread.
 
@@ -30,7 +33,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
@@ -93,6 +96,8 @@ class _Knobs:
     failures: deque[int] = field(default_factory=deque)
     garbage: deque[bytes] = field(default_factory=deque)
     delays: dict[int, float] = field(default_factory=dict)  # turn -> seconds, used once
+    trickles: dict[int, float] = field(default_factory=dict)  # turn -> seconds, used once
+    holds: deque[threading.Event] = field(default_factory=deque)
 
 
 class FakeProvider:
@@ -141,6 +146,18 @@ class FakeProvider:
         with self._lock:
             self._knobs.delays[turn] = seconds
 
+    def trickle_turn(self, turn: int, seconds: float) -> None:
+        """Send the next answer of ``turn`` a few bytes at a time, over ``seconds``."""
+        with self._lock:
+            self._knobs.trickles[turn] = seconds
+
+    def hold_stream(self) -> threading.Event:
+        """The next stream stops after its first event until the returned event is set."""
+        go_on = threading.Event()
+        with self._lock:
+            self._knobs.holds.append(go_on)
+        return go_on
+
     def garble_next(self, body: bytes, n: int = 1) -> None:
         """Bill the next ``n`` generations but answer 200 with ``body`` instead."""
         with self._lock:
@@ -160,7 +177,7 @@ class FakeProvider:
 
     # -- one request -------------------------------------------------------------------
 
-    def answer(self, path: str, headers: dict[str, str], raw: bytes) -> tuple[int, dict, bytes]:
+    def answer(self, path: str, headers: dict[str, str], raw: bytes) -> tuple[int, dict, Body]:
         """Status, headers and body for one request (runs in the server's thread)."""
         body = _json(raw)
         with self._lock:
@@ -182,11 +199,12 @@ class FakeProvider:
 
     def _generate(
         self, body: dict, raw: bytes, headers: dict[str, str], turn: int, render: Callable
-    ) -> tuple[int, dict, bytes]:
+    ) -> tuple[int, dict, Body]:
         with self._lock:
             self.generations.append(headers.get("idempotency-key"))
             n = len(self.generations)
             delay = self._knobs.delays.pop(turn, 0.0)
+            trickle = self._knobs.trickles.pop(turn, 0.0)
             garbage = self._knobs.garbage.popleft() if self._knobs.garbage else None
         if delay:
             self._closing.wait(delay)
@@ -195,8 +213,30 @@ class FakeProvider:
             len(raw) // 4, 5 + 10 * len(answer.calls) + len(answer.text) // 4, *self.cache
         )
         out, id_header = render(n, body.get("model", ""), answer, usage)
+        if body.get("stream") is True and render is _render_chat:
+            return 200, {id_header: f"req_{n}", "content-type": "text/event-stream"}, self._sse(out)
         content = garbage if garbage is not None else _dumps(out).encode()
+        if trickle:
+            content = self._trickled(content, trickle)
         return 200, {id_header: f"req_{n}", "content-type": "application/json"}, content
+
+    def _trickled(self, content: bytes, seconds: float) -> Iterator[bytes]:
+        pieces = max(1, round(seconds / 0.1))  # no read waits longer than about 0.1 s
+        size = -(-len(content) // pieces)
+        for start in range(0, len(content), size):
+            yield content[start : start + size]
+            if self._closing.wait(seconds / pieces):
+                return
+
+    def _sse(self, completion: dict) -> Iterator[bytes]:
+        """A chat completion as the chunks of its stream, then ``[DONE]``."""
+        with self._lock:
+            hold = self._knobs.holds.popleft() if self._knobs.holds else None
+        for i, chunk in enumerate(_chat_chunks(completion)):
+            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            if i == 0 and hold is not None:
+                hold.wait(timeout=30)
+        yield b"data: [DONE]\n\n"
 
 
 def _handler(provider: FakeProvider) -> type[BaseHTTPRequestHandler]:
@@ -211,16 +251,30 @@ def _handler(provider: FakeProvider) -> type[BaseHTTPRequestHandler]:
                 self.send_response(status)
                 for name, value in out_headers.items():
                     self.send_header(name, value)
-                self.send_header("content-length", str(len(content)))
-                self.end_headers()
-                self.wfile.write(content)
+                if isinstance(content, bytes):
+                    self.send_header("content-length", str(len(content)))
+                    self.end_headers()
+                    self.wfile.write(content)
+                else:
+                    self._send_chunked(content)
             except OSError:
                 pass  # the client is gone (killed): the generation is billed all the same
+
+        def _send_chunked(self, pieces: Iterator[bytes]) -> None:
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            for piece in pieces:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
 
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
     return Handler
+
+
+Body = bytes | Iterator[bytes]  # an iterator is sent as it yields, chunked
 
 
 def _json(raw: bytes) -> Any:
@@ -254,12 +308,12 @@ def _arguments(args: dict[str, Any] | Raw) -> str:
     return args.text if isinstance(args, Raw) else json.dumps(args)
 
 
-def _status(status: int, message: str) -> tuple[int, dict, bytes]:
+def _status(status: int, message: str) -> tuple[int, dict, Body]:
     body = {"error": {"message": message, "type": "invalid_request_error"}}
     return status, {"content-type": "application/json"}, json.dumps(body).encode()
 
 
-def _failure(status: int) -> tuple[int, dict, bytes]:
+def _failure(status: int) -> tuple[int, dict, Body]:
     code, headers, body = _status(status, f"injected failure {status}")
     if status == 429 or status >= 500:
         headers["retry-after-ms"] = "5"  # the SDKs honour it: retries stay fast in tests
@@ -341,6 +395,25 @@ def _render_chat(n: int, model: str, answer: Answer, usage: Tokens) -> tuple[dic
             details["cache_write_tokens"] = usage.written
         out["usage"]["prompt_tokens_details"] = details
     return out, "x-request-id"
+
+
+def _chat_chunks(completion: dict) -> Iterator[dict]:
+    """The stream of a completion: the role, the text, each tool call, then the finish."""
+    choice = completion["choices"][0]
+    message = choice["message"]
+    head = {k: completion[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk"
+
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        return head | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    yield chunk({"role": "assistant", "content": ""})
+    if message["content"]:
+        yield chunk({"content": message["content"]})
+    for i, call in enumerate(message.get("tool_calls") or []):
+        yield chunk({"tool_calls": [call | {"index": i}]})
+    yield chunk({}, choice["finish_reason"])
+    yield head | {"choices": [], "usage": completion["usage"]}
 
 
 # -- OpenAI Responses -------------------------------------------------------------------

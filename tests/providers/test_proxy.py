@@ -359,12 +359,14 @@ def test_without_the_proxy_the_journal_still_prevents_calls_for_recorded_steps(
 # -- the proxy's own crash -------------------------------------------------------------------
 
 
-def start_proxy(upstream: str, db: Path) -> tuple[subprocess.Popen[str], str]:
-    """``serve()`` in its own process on a free port; the URL it printed."""
-    code = "import sys; from asiento.proxy import serve; serve(sys.argv[1], db=sys.argv[2], port=0)"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, upstream, str(db)], stderr=subprocess.PIPE, text=True
+def start_proxy(upstream: str, db: Path, **options: Any) -> tuple[subprocess.Popen[str], str]:
+    """``serve()`` in its own process on a free port (with ``options``); the URL it printed."""
+    code = (
+        "import json, sys; from asiento.proxy import serve; "
+        "serve(sys.argv[1], db=sys.argv[2], port=0, **json.loads(sys.argv[3]))"
     )
+    argv = [sys.executable, "-c", code, upstream, str(db), json.dumps(options)]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     ready, _, _ = select.select([proc.stderr], [], [], 30)
     line = proc.stderr.readline() if ready else ""

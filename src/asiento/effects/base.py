@@ -9,12 +9,13 @@
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..errors import AsientoError, RunError
+from ..errors import AsientoError, RunError, UsageError
 
 if TYPE_CHECKING:
     from ..tools import Tool
@@ -59,15 +60,18 @@ class Effect:
 
     ``prepare``'s signature is the tool's argument schema (as for ``@tool``).
     Declare ``honours_keys`` when the destination deduplicates by idempotency
-    key, and ``key_ttl`` (seconds) when it forgets keys. Define ``lookup`` when
-    the effect can be found by a business id (an issue by title, a file by path
-    and content hash, a row by unique key).
+    key, and ``key_ttl`` (seconds) when it forgets keys. ``key_margin`` (seconds)
+    is how much younger than ``key_ttl`` a key must be to be published again
+    (``None``: 10% of the TTL, at least 60 s and at most an hour). Define
+    ``lookup`` when the effect can be found by a business id (an issue by title, a
+    file by path and content hash, a row by unique key).
     """
 
     name: ClassVar[str] = ""
     description: ClassVar[str] = ""
     honours_keys: ClassVar[bool] = False
     key_ttl: ClassVar[float | None] = None
+    key_margin: ClassVar[float | None] = None
 
     def prepare(self, *args: Any, **kwargs: Any) -> Any:
         """Build the JSON payload to publish. Must not touch the destination."""
@@ -93,6 +97,7 @@ class Effect:
         """The tool the model sees: named after the effect, with ``prepare``'s arguments."""
         from ..tools import tool
 
+        key_margin_of(self.key_ttl, self.key_margin, who=type(self).__name__)
         description = self.description or (inspect.getdoc(type(self)) or "").split("\n\n")[0]
         built = tool(name=self.tool_name, description=description)(self.prepare)
         return built.with_effect(self)
@@ -111,16 +116,68 @@ def reconcile(
     honours_keys: bool,
     key_ttl: float | None,
     has_lookup: bool,
-    first_submitted_at: float,
-    now: float,
+    age: float | None,
+    key_margin: float | None = None,
 ) -> Reconcile:
     """The reconcile table: a live key first, then a lookup, else a person.
 
-    A key older than its TTL is never trusted: the destination may have
-    forgotten it and would apply the effect a second time.
+    ``age``: seconds since the step's first submission, on the store's clock (None
+    when unknown). A key is live only when ``distrust_key`` finds nothing wrong with it.
     """
-    if honours_keys and (key_ttl is None or now - first_submitted_at < key_ttl):
+    if honours_keys and distrust_key(age=age, key_ttl=key_ttl, key_margin=key_margin) is None:
         return Reconcile.REPUBLISH
     if has_lookup:
         return Reconcile.LOOKUP
     return Reconcile.UNCERTAIN
+
+
+def distrust_key(
+    *, age: float | None, key_ttl: float | None, key_margin: float | None
+) -> str | None:
+    """Why the destination may have forgotten a key of this ``age``; None if it surely has not.
+
+    Conservative: an age that is unknown, not a number or negative says a clock is
+    wrong, and is never "fresh"; a key must be younger than its TTL minus the margin,
+    which absorbs clock steps and skew between the clocks that stamped and judge it.
+    """
+    if key_ttl is None:
+        return None  # keys never forgotten: republishing is safe at any age
+    margin = key_margin_of(key_ttl, key_margin)
+    if age is None or not math.isfinite(age):
+        return f"Its idempotency key's age cannot be known ({age}), so it cannot be trusted."
+    if age < 0:
+        return (
+            f"Its idempotency key's age cannot be trusted: it reads {age:.1f}s, from the "
+            "future (a clock was ahead when it was written, or went back since)."
+        )
+    if age >= key_ttl - margin:
+        return (
+            f"Its idempotency key is {age:.0f}s old; the destination keeps keys {key_ttl:g}s, "
+            f"and publishing again needs a key younger than {max(key_ttl - margin, 0):g}s "
+            f"(key_ttl minus key_margin, {margin:g}s)."
+        )
+    return None
+
+
+def default_key_margin(key_ttl: float) -> float:
+    """10% of the TTL, at least 60 s and at most an hour (``Effect.key_margin`` = None).
+
+    60 s covers clocks NTP keeps in step and the time a republish takes to reach the
+    destination; a longer TTL means a resume longer after the crash, with more time
+    for clocks to drift apart; past an hour a clock is broken, not drifting, and a
+    wider margin would only waste the key (23 of a 24 h TTL stay usable).
+    """
+    return min(max(0.1 * key_ttl, 60.0), 3600.0)
+
+
+def key_margin_of(key_ttl: float | None, key_margin: float | None, *, who: str = "") -> float:
+    """The margin in force; ``UsageError`` for a TTL or margin that is not a number >= 0."""
+    where = f"{who}: " if who else ""
+    for name, value in (("key_ttl", key_ttl), ("key_margin", key_margin)):
+        if value is not None and not (isinstance(value, int | float) and 0 <= value < math.inf):
+            raise UsageError(
+                f"{where}{name} must be None or a number of seconds >= 0, got {value!r}"
+            )
+    if key_ttl is None:
+        return 0.0
+    return default_key_margin(key_ttl) if key_margin is None else float(key_margin)

@@ -97,6 +97,14 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         WHERE runs.run_id = counted.run_id AND counted.read IS NOT NULL
         """,
     ),
+    # 4: when each record was written, on the server's clock: what judges a key's age.
+    # Added without a default, then given one: a default in ADD COLUMN would stamp
+    # every existing record with the migration's time and make old submissions look
+    # fresh. Records written before stay NULL and are judged by their created_at.
+    (
+        "ALTER TABLE journal ADD COLUMN written_at double precision",
+        f"ALTER TABLE journal ALTER COLUMN written_at SET DEFAULT {NOW}",
+    ),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -247,3 +255,10 @@ FROM runs
 """
 
 ORDER_RUNS = ' ORDER BY created_at, run_id COLLATE "C"'
+
+# Seconds since a record was written, on the server's clock; a record older than
+# migration 4 has no written_at, and its writer's created_at is judged instead.
+AGE = f"""
+SELECT {NOW} - coalesce(written_at, created_at) FROM journal
+WHERE run_id = %s AND step_id = %s AND phase = %s
+"""

@@ -71,6 +71,15 @@ class Checkpointer(Protocol):
         """The run's final record if it is closed: one read, not the whole journal."""
         ...
 
+    async def age(self, run_id: str, step_id: str, phase: Phase) -> float | None:
+        """Seconds since the record was written, on the store's clock; None if it is absent.
+
+        What decides whether an idempotency key may have expired: the database
+        server's clock on PostgreSQL (no client's clock counts), this process's on
+        SQLite and in memory. A clock that went back gives a negative age.
+        """
+        ...
+
     async def set_status(
         self,
         run_id: str,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from .. import _clock
 from ..errors import DuplicateRecord, UsageError
 from ..events import FINAL_STEP_ID, Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
@@ -148,6 +149,12 @@ class MemoryCheckpointer:
             return None
         events = await self.load_step(run_id, FINAL_STEP_ID)
         return next(e for e in events if e.phase == Phase.RESULT)
+
+    async def age(self, run_id: str, step_id: str, phase: Phase) -> float | None:
+        for row_step, row_phase, _, _, created in self._rows.get(run_id, []):
+            if (row_step, row_phase) == (step_id, Phase(phase).value):
+                return _clock.now() - created
+        return None
 
     async def set_status(
         self,

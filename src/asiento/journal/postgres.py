@@ -274,6 +274,10 @@ class PostgresCheckpointer:
         rows = await self._fetch(query, (run_id, FINAL_STEP_ID, Phase.RESULT.value))
         return decode_row(run_id, rows[0]) if rows else None
 
+    async def age(self, run_id: str, step_id: str, phase: Phase) -> float | None:
+        rows = await self._fetch(sql.AGE, (run_id, step_id, Phase(phase).value))
+        return None if not rows else float(rows[0][0])
+
     async def set_status(
         self,
         run_id: str,

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
+from .. import _clock
 from .._crash import crash_point
 from ..errors import (
     DuplicateRecord,
@@ -323,6 +324,12 @@ class SqliteCheckpointer:
         with self._errors():
             row = self._db.execute(sql, (run_id, FINAL_STEP_ID, Phase.RESULT.value)).fetchone()
         return None if row is None else decode_row(run_id, row)
+
+    async def age(self, run_id: str, step_id: str, phase: Phase) -> float | None:
+        sql = "SELECT created_at FROM journal WHERE run_id = ? AND step_id = ? AND phase = ?"
+        with self._errors():
+            row = self._db.execute(sql, (run_id, step_id, Phase(phase).value)).fetchone()
+        return None if row is None else _clock.now() - float(row[0])
 
     async def set_status(
         self,

@@ -1,9 +1,11 @@
 """``asiento gateway``: the idempotency proxy (needs the ``gateway`` extra: starlette, uvicorn)."""
 
 from .app import (
+    DEFAULT_LEASE,
     DEFAULT_PORT,
     DEFAULT_TTL,
     DEFAULT_UPSTREAM,
+    DEFAULT_UPSTREAM_TIMEOUT,
     IdempotencyProxy,
     KeyStore,
     ProxyError,
@@ -13,9 +15,11 @@ from .app import (
 )
 
 __all__ = [
+    "DEFAULT_LEASE",
     "DEFAULT_PORT",
     "DEFAULT_TTL",
     "DEFAULT_UPSTREAM",
+    "DEFAULT_UPSTREAM_TIMEOUT",
     "IdempotencyProxy",
     "KeyStore",
     "ProxyError",

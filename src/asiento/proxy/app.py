@@ -13,7 +13,9 @@ resume. Put this proxy between the gateway and the provider and it does not:
   ``wait`` seconds, then ``409`` with ``Retry-After``, which the SDKs retry);
 - the same key with another body is refused with ``422``
   (``idempotency_key_reused``), never answered with the other body's answer;
-- keys expire ``ttl`` seconds after their first use.
+- keys expire ``ttl`` seconds after their first use;
+- a request with ``"stream": true`` is passed through as it streams, never
+  claimed nor kept (``Asiento-Gateway: passthrough-stream``; see ``_stream``).
 
 The upstream call belongs to the proxy, not to the client's connection: a
 client killed mid-request does not cancel it, and its answer is kept for the
@@ -23,8 +25,13 @@ Everything else (other paths, no key) is forwarded as it is. Keys are scoped by
 the credentials that sent them (a hash of ``Authorization`` / ``x-api-key``),
 so two tenants of one proxy never see each other's answers.
 
-An in-flight claim holds a lease: a claim whose proxy process died on this
-host is taken over at once; one from another host once its lease runs out.
+An in-flight claim holds a lease that its proxy renews (every third of the
+lease) for as long as the upstream call is alive, fenced to that one claim: a
+live holder keeps its key however long the answer takes. A claim whose proxy
+process died in this PID namespace of this host is taken over at once; any
+other (another host, another container) once its lease has run out unrenewed.
+``upstream_timeout`` bounds the whole upstream answer, from sending the request
+to its last byte; ``read_timeout`` bounds each silence.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import socket
 import sqlite3
@@ -55,10 +63,14 @@ from ..gateways._errors import ModelResponseInvalid, read_answer
 from ..gateways.anthropic import parse_message
 from ..gateways.openai import parse_chat, parse_responses
 from ..lease import Holder, is_dead_here
+from ._stream import PassedThrough, wants_stream
 
 DEFAULT_PORT = 8787
 DEFAULT_TTL = 24 * 3600.0
 DEFAULT_UPSTREAM = "https://api.openai.com/v1"
+DEFAULT_LEASE = 30.0
+DEFAULT_UPSTREAM_TIMEOUT = 600.0
+RENEWALS_PER_LEASE = 3  # a live holder renews every third of its lease: two may be late
 POLL = 0.05
 KEY_STORE_ID = 0x41534E50  # "ASNP": PRAGMA application_id of a key store ("ASNT" is a journal)
 PARSERS = {
@@ -117,6 +129,7 @@ class Claim:
 
     kind: Literal["new", "done", "in_flight", "conflict"]
     stored: Stored | None = None
+    token: str = ""  # of a "new" claim: what renews, finishes or releases this claim only
 
 
 class KeyStore:
@@ -125,11 +138,16 @@ class KeyStore:
     Every write is one ``BEGIN IMMEDIATE`` transaction with ``synchronous=FULL``:
     a claim is on disk before the request goes upstream, an answer before it is
     returned. One connection, used from worker threads under a lock.
+
+    A claim's ``owner`` column holds the claim's own token (the holder's id and
+    a counter), so renewing, finishing and releasing are fenced to the claim: a
+    claim taken over, even by this same process, is not touched again.
     """
 
     def __init__(self, path: str | Path, *, ttl: float, lease: float, holder: Holder) -> None:
         self.path, self.ttl, self.lease, self.holder = Path(path), ttl, lease, holder
         self._lock = threading.Lock()
+        self._claims = itertools.count(1)
         try:
             self._db = sqlite3.connect(
                 self.path, isolation_level=None, check_same_thread=False, timeout=10.0
@@ -170,13 +188,14 @@ class KeyStore:
                 (scope, key),
             ).fetchone()
             if row is None:
+                token = self._token()
                 db.execute(
                     "INSERT INTO idempotency_keys (scope, key, fingerprint, state, created_at,"
                     " owner, owner_host, owner_pid, owner_started, lease_until)"
                     " VALUES (?, ?, ?, 'in_flight', ?, ?, ?, ?, ?, ?)",
-                    (scope, key, fingerprint, now, *self._owner(now)),
+                    (scope, key, fingerprint, now, *self._owner(token, now)),
                 )
-                return Claim("new")
+                return Claim("new", token=token)
             return self._existing(db, row, (scope, key), fingerprint, now)
 
     def _existing(
@@ -187,41 +206,55 @@ class KeyStore:
             return Claim("conflict")
         if state == "done":
             return Claim("done", Stored(status, json.loads(headers), bytes(body)))
+        # A live holder renews its lease; only a dead one, or one silent past it, is replaced.
         if lease_until > now and not is_dead_here(host, pid, started):
             return Claim("in_flight")
+        token = self._token()
         db.execute(
             "UPDATE idempotency_keys SET owner = ?, owner_host = ?, owner_pid = ?,"
             " owner_started = ?, lease_until = ? WHERE scope = ? AND key = ?",
-            (*self._owner(now), *ident),
+            (*self._owner(token, now), *ident),
         )
-        return Claim("new")
+        return Claim("new", token=token)
 
-    def finish(self, scope: str, key: str, answer: Stored) -> None:
-        """Keep the answer under the key, if this proxy still holds the claim."""
+    def renew(self, scope: str, key: str, token: str) -> bool:
+        """Extend the claim's lease; False when it is no longer this claim's (taken over)."""
+        with self._transaction() as db:
+            renewed = db.execute(
+                "UPDATE idempotency_keys SET lease_until = ?"
+                " WHERE scope = ? AND key = ? AND owner = ? AND state = 'in_flight'",
+                (time.time() + self.lease, scope, key, token),
+            )
+            return renewed.rowcount == 1
+
+    def finish(self, scope: str, key: str, token: str, answer: Stored) -> None:
+        """Keep the answer under the key, if the claim ``token`` still holds it."""
         with self._transaction() as db:
             db.execute(
                 "UPDATE idempotency_keys SET state = 'done', status = ?, headers = ?, body = ?"
                 " WHERE scope = ? AND key = ? AND owner = ? AND state = 'in_flight'",
-                (answer.status, json.dumps(answer.headers), answer.body, scope, key,
-                 self.holder.owner),
-            )  # fmt: skip
+                (answer.status, json.dumps(answer.headers), answer.body, scope, key, token),
+            )
 
-    def release(self, scope: str, key: str) -> None:
-        """Give the key up (no answer worth keeping), if this proxy still holds it."""
+    def release(self, scope: str, key: str, token: str) -> None:
+        """Give the key up (no answer worth keeping), if the claim ``token`` still holds it."""
         with self._transaction() as db:
             db.execute(
                 "DELETE FROM idempotency_keys WHERE scope = ? AND key = ? AND owner = ?"
                 " AND state = 'in_flight'",
-                (scope, key, self.holder.owner),
+                (scope, key, token),
             )
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
-    def _owner(self, now: float) -> tuple[str, str, int, str, float]:
+    def _token(self) -> str:
+        return f"{self.holder.owner}.{next(self._claims)}"
+
+    def _owner(self, token: str, now: float) -> tuple[str, str, int, str, float]:
         h = self.holder
-        return (h.owner, h.host, h.pid, h.started, now + self.lease)
+        return (token, h.host, h.pid, h.started, now + self.lease)
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -242,16 +275,24 @@ class ProxyStats:
     upstream_calls: int = 0
     replayed: int = 0
     conflicts: int = 0
+    streams_passed_through: int = 0
 
 
 class IdempotencyProxy:
     """The request handling behind ``create_app``: forward, or claim / replay / wait / refuse."""
 
     def __init__(
-        self, upstream: str, store: KeyStore, client: httpx.AsyncClient, *, wait: float
+        self,
+        upstream: str,
+        store: KeyStore,
+        client: httpx.AsyncClient,
+        *,
+        wait: float,
+        upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT,
     ) -> None:
         self.upstream = upstream.rstrip("/")
         self.store, self.client, self.wait = store, client, wait
+        self.upstream_timeout = upstream_timeout
         self.stats = ProxyStats()
         self._tasks: set[asyncio.Task[Response]] = set()
 
@@ -260,6 +301,8 @@ class IdempotencyProxy:
         if path != "/v1" and not path.startswith("/v1/"):
             return _error(404, f"no route {path}; the proxy serves /v1/...", "not_found")
         body = await request.body()
+        if request.method == "POST" and wants_stream(body):
+            return await self._pass_stream(request, body)
         key = request.headers.get("idempotency-key")
         if request.method != "POST" or not key or path not in PARSERS:
             return await self._forward(request, body)
@@ -277,7 +320,7 @@ class IdempotencyProxy:
         while True:
             claim = await asyncio.to_thread(self.store.claim, scope, key, fp)
             if claim.kind == "new":
-                return await self._fetch_and_keep(request, body, scope, key)
+                return await self._fetch_and_keep(request, body, scope, key, claim.token)
             if claim.kind == "done" and claim.stored is not None:
                 self.stats.replayed += 1
                 headers = claim.stored.headers | {"idempotent-replayed": "true"}
@@ -290,35 +333,70 @@ class IdempotencyProxy:
             await asyncio.sleep(POLL)
 
     async def _fetch_and_keep(
-        self, request: Request, body: bytes, scope: str, key: str
+        self, request: Request, body: bytes, scope: str, key: str, token: str
     ) -> Response:
+        renewal = asyncio.create_task(self._renew(scope, key, token))
         try:
             answer = await self._send(request, body)
+            if isinstance(answer, Stored) and _recordable(request.url.path, answer):
+                await asyncio.to_thread(self.store.finish, scope, key, token, answer)
+            else:
+                await asyncio.to_thread(self.store.release, scope, key, token)
         except BaseException:
-            await asyncio.to_thread(self.store.release, scope, key)
+            await asyncio.to_thread(self.store.release, scope, key, token)  # no-op once kept
             raise
-        if isinstance(answer, Stored) and _recordable(request.url.path, answer):
-            await asyncio.to_thread(self.store.finish, scope, key, answer)
-        else:
-            await asyncio.to_thread(self.store.release, scope, key)
+        finally:
+            renewal.cancel()  # only once the answer is kept or the key released
         return _response(answer)
+
+    async def _renew(self, scope: str, key: str, token: str) -> None:
+        """Keep the claim's lease alive while its upstream call is; stop once it is not ours."""
+        period = self.store.lease / RENEWALS_PER_LEASE
+        while True:
+            await asyncio.sleep(period)
+            try:
+                if not await asyncio.to_thread(self.store.renew, scope, key, token):
+                    return
+            except sqlite3.Error:
+                continue  # busy for once: the next renewal comes well before the lease ends
 
     async def _forward(self, request: Request, body: bytes) -> Response:
         return _response(await self._send(request, body))
 
     async def _send(self, request: Request, body: bytes) -> Stored | Response:
-        """One upstream call; a network failure is a 502 the SDKs retry."""
-        url = self.upstream + request.url.path.removeprefix("/v1")
-        if request.url.query:
-            url += "?" + request.url.query
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _REQUEST_DROP}
+        """One upstream call, its whole answer within ``upstream_timeout``; failures are 5xx."""
+        url, headers = self._upstream_request(request)
         self.stats.upstream_calls += 1
         try:
-            upstream = await self.client.request(request.method, url, content=body, headers=headers)
+            async with asyncio.timeout(self.upstream_timeout):
+                upstream = await self.client.request(
+                    request.method, url, content=body, headers=headers
+                )
+        except TimeoutError:
+            return _too_slow(url, self.upstream_timeout)
         except httpx.HTTPError as exc:
             return _error(502, f"upstream {url} failed: {type(exc).__name__}: {exc}", "upstream")
         kept = {k: v for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_DROP}
         return Stored(upstream.status_code, kept, upstream.content)
+
+    async def _pass_stream(self, request: Request, body: bytes) -> Response:
+        """Relay a streamed request as it streams: no claim, nothing kept (see ``_stream``)."""
+        url, headers = self._upstream_request(request)
+        self.stats.upstream_calls += 1
+        self.stats.streams_passed_through += 1
+        sent = self.client.build_request(request.method, url, content=body, headers=headers)
+        try:
+            upstream = await self.client.send(sent, stream=True)
+        except httpx.HTTPError as exc:
+            return _error(502, f"upstream {url} failed: {type(exc).__name__}: {exc}", "upstream")
+        return PassedThrough(upstream, _RESPONSE_DROP)
+
+    def _upstream_request(self, request: Request) -> tuple[str, dict[str, str]]:
+        url = self.upstream + request.url.path.removeprefix("/v1")
+        if request.url.query:
+            url += "?" + request.url.query
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _REQUEST_DROP}
+        return url, headers
 
     async def drain(self) -> None:
         """Let upstream calls in flight finish and keep their answers (shutdown)."""
@@ -332,25 +410,35 @@ def create_app(
     db: str | Path,
     ttl: float = DEFAULT_TTL,
     wait: float = 600.0,
-    upstream_timeout: float = 600.0,
+    upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT,
+    read_timeout: float | None = None,
+    lease: float = DEFAULT_LEASE,
 ) -> Starlette:
     """The proxy as an ASGI app; ``app.state.proxy`` is its ``IdempotencyProxy`` once started.
 
     ``upstream`` is the base URL an SDK would be given (``https://api.openai.com/v1``,
     ``https://api.anthropic.com/v1``, ``http://localhost:11434/v1``): a request for
     ``/v1/chat/completions`` goes to ``{upstream}/chat/completions``.
+    ``upstream_timeout`` bounds a whole answer; ``read_timeout`` (default: the same)
+    each wait for upstream's next bytes; ``lease`` how long a claim outlives its
+    proxy's last renewal.
     """
-    if ttl <= 0 or wait <= 0 or upstream_timeout <= 0:
-        raise ProxyError("ttl, wait and upstream_timeout must be positive numbers of seconds")
-    lease = upstream_timeout + 30.0
+    read_timeout = upstream_timeout if read_timeout is None else read_timeout
+    if min(ttl, wait, upstream_timeout, read_timeout, lease) <= 0:
+        raise ProxyError(
+            "ttl, wait, upstream_timeout, read_timeout and lease must be positive numbers of "
+            "seconds"
+        )
     KeyStore(db, ttl=ttl, lease=lease, holder=Holder.here()).close()  # a bad file fails here
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         store = KeyStore(db, ttl=ttl, lease=lease, holder=Holder.here())
-        timeout = httpx.Timeout(upstream_timeout, connect=30.0)
+        timeout = httpx.Timeout(read_timeout, connect=min(read_timeout, 30.0))
         async with httpx.AsyncClient(timeout=timeout) as client:
-            proxy = IdempotencyProxy(upstream, store, client, wait=wait)
+            proxy = IdempotencyProxy(
+                upstream, store, client, wait=wait, upstream_timeout=upstream_timeout
+            )
             app.state.proxy = proxy
             try:
                 yield
@@ -375,13 +463,23 @@ def serve(
     port: int = DEFAULT_PORT,
     ttl: float = DEFAULT_TTL,
     wait: float = 600.0,
-    upstream_timeout: float = 600.0,
+    upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT,
+    read_timeout: float | None = None,
+    lease: float = DEFAULT_LEASE,
     log_level: str = "warning",
 ) -> None:
     """Run the proxy until interrupted; print the URL clients use (``port=0``: a free one)."""
     import uvicorn
 
-    app = create_app(upstream, db=db, ttl=ttl, wait=wait, upstream_timeout=upstream_timeout)
+    app = create_app(
+        upstream,
+        db=db,
+        ttl=ttl,
+        wait=wait,
+        upstream_timeout=upstream_timeout,
+        read_timeout=read_timeout,
+        lease=lease,
+    )
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -442,6 +540,14 @@ def _reused(key: str) -> JSONResponse:
         "a key names one request. Send the original body, or use a new key"
     )
     return _error(422, message, "idempotency_key_reused", **{"x-should-retry": "false"})
+
+
+def _too_slow(url: str, seconds: float) -> JSONResponse:
+    message = (
+        f"upstream {url} did not finish its answer within {seconds:g} s (the proxy's "
+        "upstream timeout); the key is released, and a retry asks upstream again"
+    )
+    return _error(504, message, "upstream_timeout", **{"x-should-retry": "false"})
 
 
 def _still_in_flight(key: str) -> JSONResponse:

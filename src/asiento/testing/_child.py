@@ -41,6 +41,7 @@ from typing import Any
 
 from .. import harness as people
 from ..agent import Agent
+from ..effects.base import key_margin_of
 from ..errors import AsientoError, LeaseLost, RunAbandoned, RunLocked, UncertainEffect, UsageError
 from ..events import ApprovalStep, FinalStep, Step
 from ..journal.base import Checkpointer
@@ -390,6 +391,7 @@ async def describe(child: Child, cmd: Command) -> Outcome:
             "honours_keys": bool(t.effect and t.effect.honours_keys),
             "key_ttl": t.effect.key_ttl if t.effect else None,
             "has_lookup": bool(t.effect and t.effect.has_lookup),
+            "key_margin": key_margin_of(t.effect.key_ttl, t.effect.key_margin) if t.effect else 0.0,
         }
         for t in agent.tools.values()
     }

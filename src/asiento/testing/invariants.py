@@ -99,6 +99,7 @@ class ToolInfo:
     honours_keys: bool = False
     key_ttl: float | None = None
     has_lookup: bool = False
+    key_margin: float = 0.0  # the margin in force (docs/effects.md): trusted below ttl - margin
 
     def reconcilable(self, submitted_at: float, now: float) -> bool:
         """Whether a submitted step of this tool can be settled without a person."""
@@ -106,7 +107,8 @@ class ToolInfo:
             return True
         if not self.effect:
             return False
-        key_alive = self.key_ttl is None or now - submitted_at < self.key_ttl
+        age = now - submitted_at
+        key_alive = self.key_ttl is None or 0 <= age < self.key_ttl - self.key_margin
         return (self.honours_keys and key_alive) or self.has_lookup
 
 

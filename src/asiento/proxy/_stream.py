@@ -1,0 +1,50 @@
+"""Streamed requests (``"stream": true``): passed through to upstream, never claimed or kept.
+
+Recording a stream and replaying it to the same key is a job of its own (the
+events must be read to their end even when the client is gone, and a second
+request must attach to a stream still being generated). Until the proxy does
+that, it does none of it: a streamed request takes no claim, so it can leave no
+claim behind, and its events reach the client as upstream sends them. Every
+such response says so with ``Asiento-Gateway: passthrough-stream``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import httpx
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+PASSTHROUGH_HEADER = "asiento-gateway"
+PASSTHROUGH = "passthrough-stream"
+
+
+def wants_stream(body: bytes) -> bool:
+    """Whether the request asks for a stream (a JSON object with ``"stream": true``)."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(parsed, dict) and parsed.get("stream") is True
+
+
+class PassedThrough(StreamingResponse):
+    """Upstream's answer relayed as it arrives; upstream is closed however the relay ends."""
+
+    def __init__(self, upstream: httpx.Response, dropped: frozenset[str]) -> None:
+        headers = _kept(upstream.headers, dropped) | {PASSTHROUGH_HEADER: PASSTHROUGH}
+        super().__init__(upstream.aiter_bytes(), upstream.status_code, headers=headers)
+        self._upstream = upstream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # A client that goes away ends the relay; closing the stream tells upstream.
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._upstream.aclose()
+
+
+def _kept(headers: Mapping[str, str], dropped: frozenset[str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in dropped}
