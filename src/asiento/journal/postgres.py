@@ -471,14 +471,15 @@ class PostgresCheckpointer:
                 for number in range(version + 1, sql.SCHEMA_VERSION + 1):
                     try:
                         await _apply(conn, number)
-                    except psycopg.Error as exc:
+                    except Exception as exc:
                         raise self._migration_failed(exc, number, version) from exc
 
-    def _migration_failed(self, exc: psycopg.Error, number: int, version: int) -> JournalError:
+    def _migration_failed(self, exc: Exception, number: int, version: int) -> JournalError:
         """The error for a migration that failed: which one, why, unchanged, what to do."""
+        cause = _text(exc) if isinstance(exc, psycopg.Error) else f"{type(exc).__name__}: {exc}"
         text = (
             f"{self.where}: migration {number} (schema {number - 1} to {number}) could not be "
-            f"applied: {_text(exc)}. The journal is unchanged, still at schema {version} (its "
+            f"applied: {cause}. The journal is unchanged, still at schema {version} (its "
             "transaction was rolled back)"
         )
         if isinstance(exc, psycopg.errors.LockNotAvailable):
