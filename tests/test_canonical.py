@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from asiento._canonical import canonical_json, compact_encoder, fingerprint
+from asiento._canonical import canonical_json, compact_encoder, fingerprint, unstable_part
 
 VALUES: list[Any] = [
     {"b": [1, 2.5, None, True, False], "a": {"y": "", "x": -0.0}},
@@ -69,3 +69,16 @@ def test_a_c_encoder_that_writes_other_text_is_not_used(monkeypatch: pytest.Monk
     monkeypatch.setattr(json.encoder, "c_make_encoder", make)
     encode = compact_encoder(sort_keys=True)
     assert encode(VALUES[0]) == json.dumps(VALUES[0], sort_keys=True, separators=(",", ":"))
+
+
+def test_unstable_part_names_sets_and_cycles_but_not_shared_values() -> None:
+    """A set and a value that contains itself are named by their path; a value reached
+    twice without a cycle (shared, not contained in itself) is fine."""
+    shared = {"x": [1, 2]}
+    assert unstable_part({"a": shared, "b": [shared, (shared,)]}) is None
+    assert unstable_part({"a": [1, frozenset()]}, "r") == (
+        "r['a'][1] is a set, which has no stable order: return a sorted list"
+    )
+    loop: dict[str, Any] = {"a": [{}]}
+    loop["a"][0]["up"] = loop["a"]
+    assert unstable_part(loop, "r") == "r['a'][0]['up'] is r['a'] itself: a reference cycle"

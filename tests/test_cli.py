@@ -48,6 +48,7 @@ from asiento import (
 )
 from asiento.journal.url import address_of, shown
 from asiento.testing import ScriptedGateway
+from journal.mounts import read_only_view
 from web.runs import book, closed_with_effect
 from web.runs import uncertain as priced_uncertain
 
@@ -912,3 +913,47 @@ def test_unpark_gives_a_parked_run_back_with_a_fresh_count(tmp_path: Path) -> No
 
     asyncio.run(check())
     assert_one_line_error(cli("unpark", "r1", "--by", "ana", cwd=tmp_path), "not parked")
+
+
+# -- empty, damaged and read-only journals (issue 12, item 8) ----------------------------
+
+
+def test_an_empty_file_is_not_made_a_journal(tmp_path: Path) -> None:
+    """`runs` and `show` on a zero-byte file exit 1 in one line; the file stays empty
+    and nothing is created beside it."""
+    (tmp_path / "empty.db").touch()
+    for args in (["runs"], ["show", "run-1"]):
+        proc = cli(*args, "--store", "empty.db", cwd=tmp_path)
+        assert_one_line_error(proc, "empty.db is an empty file, not a journal")
+    assert (tmp_path / "empty.db").read_bytes() == b""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.db"]
+
+
+async def test_a_damaged_journal_is_named_damaged(tmp_path: Path) -> None:
+    """A journal cut short is reported damaged, with what to do, in one line; not as
+    "not an asiento journal"."""
+    db = tmp_path / "runs.db"
+    await suspended(db, "run-1")
+    db.write_bytes(db.read_bytes()[:4096])
+    proc = cli("runs", "--store", "runs.db", cwd=tmp_path)
+    assert_one_line_error(proc, "the journal file is damaged", "backup", ".recover")
+
+
+async def test_a_journal_on_a_read_only_mount_can_be_read_but_not_decided(tmp_path: Path) -> None:
+    """On a read-only mount, `runs` and `show` read the journal; `approve` exits 1 in one
+    line saying the journal cannot be written and why, and records nothing."""
+    with read_only_view(tmp_path) as (folder, view):
+        await suspended(folder / "runs.db", "run-1")
+        before = (folder / "runs.db").read_bytes()
+        store = str(view / "runs.db")
+        listed = cli("runs", "--json", "--store", store, cwd=tmp_path)
+        assert listed.returncode == 0, listed.stderr
+        assert [(r["run_id"], r["status"]) for r in json.loads(listed.stdout)] == [
+            ("run-1", "suspended")
+        ]
+        shown = cli("show", "run-1", "--store", store, cwd=tmp_path)
+        assert shown.returncode == 0, shown.stderr
+        assert "m1.t1" in shown.stdout
+        proc = cli("approve", "run-1", "m1.t1", "--by", "ana", "--store", store, cwd=tmp_path)
+        assert_one_line_error(proc, "cannot write the journal", "read-only file system")
+        assert (folder / "runs.db").read_bytes() == before

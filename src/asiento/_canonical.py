@@ -6,11 +6,14 @@ hash never depends on the order a dict was built in.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import quote
+
+from pydantic import BaseModel
 
 
 def compact_encoder(*, sort_keys: bool) -> Callable[[Any], str]:
@@ -49,6 +52,66 @@ _CANONICAL = compact_encoder(sort_keys=True)
 def canonical_json(obj: Any) -> str:
     """Serialise ``obj`` so that equal values give equal text."""
     return _CANONICAL(obj)
+
+
+def unstable_part(value: Any, name: str = "value") -> str | None:
+    """What in ``value`` has no canonical JSON, named by its path; None if nothing.
+
+    A set has no stable order (its JSON would differ between processes); a value
+    that contains itself has no JSON at all. The walk keeps a stack of its own, so a
+    cycle is named (``value['a'][0] is value``) where an encoder's recursion would
+    only overflow. Dicts, lists, tuples, dataclasses and pydantic models are walked.
+    """
+    on_path: dict[int, _Crumb | None] = {}
+    stack: list[tuple[Any, _Crumb | None, bool]] = [(value, None, True)]
+    while stack:
+        node, crumb, entering = stack.pop()
+        if not entering:
+            del on_path[id(node)]
+        elif isinstance(node, set | frozenset):
+            return f"{_path(name, crumb)} is a set, which has no stable order: return a sorted list"
+        elif (parts := _parts(node)) is not None:
+            if id(node) in on_path:
+                again = _path(name, on_path[id(node)])
+                return f"{_path(name, crumb)} is {again} itself: a reference cycle"
+            on_path[id(node)] = crumb
+            stack.append((node, crumb, False))
+            stack.extend(
+                (part, (crumb, key), True) for key, part in parts if type(part) not in _LEAVES
+            )
+    return None
+
+
+class _Field(str):
+    """A step into a dataclass or model field (``.name``), beside keys and indexes (``[k]``)."""
+
+
+# A path as a chain of steps back to the root, put into words only when it is reported
+# (so that the walk down a deep value stays linear).
+_Crumb = tuple[Any, Any]
+
+_LEAVES = frozenset({str, int, float, bool, type(None)})
+
+
+def _path(name: str, crumb: _Crumb | None) -> str:
+    steps = []
+    while crumb is not None:
+        crumb, key = crumb
+        steps.append(f".{key}" if type(key) is _Field else f"[{key!r}]")
+    return name + "".join(reversed(steps))
+
+
+def _parts(node: Any) -> Iterable[tuple[Any, Any]] | None:
+    """The (key, part) pairs of a container; None for a value that holds none."""
+    if isinstance(node, dict):
+        return node.items()
+    if isinstance(node, list | tuple):
+        return enumerate(node)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return [(_Field(f.name), getattr(node, f.name)) for f in dataclasses.fields(node)]
+    if isinstance(node, BaseModel):
+        return [(_Field(key), part) for key, part in vars(node).items()]
+    return None
 
 
 def sha256_hex(text: str) -> str:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console, RenderableType
@@ -25,10 +26,11 @@ from rich.table import Table
 from rich.text import Text
 
 from .effects.records import EffectRecord, effect_records_of
-from .errors import ApprovalError, UsageError
+from .errors import ApprovalError, JournalReadOnly, UsageError
 from .events import FINAL_STEP_ID, Decision, Phase, RunInfo, RunStatus, StepEvent
 from .harness import refuse_closed
 from .journal.base import Checkpointer
+from .journal.sqlite import SqliteCheckpointer
 from .journal.url import address_of, open_address, shown
 from .replay import StepState, index, step_state
 
@@ -47,13 +49,35 @@ def shown_url(url: str) -> str:
 
 
 async def open_existing(url: str | os.PathLike[str]) -> Checkpointer:
-    """Open a journal that already exists: a missing SQLite file is an error, never created."""
+    """Open a journal that already exists: a missing or empty SQLite file is an error, never
+    made a journal. One this process cannot write (a read-only mount) is opened read-only:
+    everything can be read, and a write says why it cannot be made."""
     address = address_of(url)
     path = address.path
-    if path is not None and not path.is_file():
+    if path is not None:
+        _check_journal_file(path)
+    try:
+        return await open_address(address)
+    except JournalReadOnly:
+        if path is None or not path.is_file():
+            raise
+        return SqliteCheckpointer(path, read_only=True, timeout=address.timeout)
+
+
+def _check_journal_file(path: Path) -> None:
+    if not path.is_file():
         what = "is a directory, not a journal" if path.is_dir() else "(nothing was created)"
         raise UsageError(f"no journal at {path} {what}; pass --store PATH_OR_URL")
-    return await open_address(address)
+    if path.stat().st_size == 0 and not _has_wal(path):
+        raise UsageError(
+            f"{path} is an empty file, not a journal (it was left as it is); "
+            "pass --store PATH_OR_URL"
+        )
+
+
+def _has_wal(path: Path) -> bool:
+    wal = Path(f"{path}-wal")
+    return wal.is_file() and wal.stat().st_size > 0
 
 
 # -- one run --------------------------------------------------------------------------

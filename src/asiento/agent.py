@@ -16,7 +16,7 @@ from typing import Any
 from pydantic_core import to_jsonable_python
 
 from . import context, shutdown
-from ._canonical import FingerprintChain, canonical_json, fingerprint, idem_key
+from ._canonical import FingerprintChain, canonical_json, fingerprint, idem_key, unstable_part
 from ._crash import crash_point
 from .context import StepContext
 from .effects.base import (
@@ -641,7 +641,8 @@ def _ok(value: Any) -> dict[str, Any]:
     """A tool's return value as a recorded outcome; what is not JSON is a recorded failure.
 
     Dataclasses and pydantic models become objects; sets are refused, because
-    their order differs between processes and the journal must not depend on it.
+    their order differs between processes and the journal must not depend on it,
+    and so is a value that contains itself, naming where.
     """
     if type(value) is str and len(value) * 6 < MAX_RECORD_BYTES - 1024:
         try:  # the usual result, checked without serialising it (at most 6 bytes a char)
@@ -649,31 +650,23 @@ def _ok(value: Any) -> dict[str, Any]:
             return {"status": "ok", "value": value}
         except UnicodeEncodeError:
             pass  # a lone surrogate: the general path below words the failure
+    if (unstable := unstable_part(value, "result")) is not None:
+        return _unrecordable(unstable)
     try:
-        _refuse_sets(value)
         jsonable = to_jsonable_python(value)
         size = len(canonical_json(jsonable))
         json.dumps(jsonable, ensure_ascii=False).encode()  # lone surrogates cannot be sent
         if size > MAX_RECORD_BYTES - 1024:
             raise ValueError(f"{size:,} bytes, over the journal's limit of {MAX_RECORD_BYTES:,}")
+    except RecursionError:
+        return _unrecordable("it is nested too deeply to be serialised (RecursionError)")
     except Exception as exc:
-        reason = f"{type(exc).__name__}: {exc}"[:500]
-        return {
-            "status": "error",
-            "error": f"the tool's result cannot be recorded ({reason})",
-        }
+        return _unrecordable(f"{type(exc).__name__}: {exc}")
     return {"status": "ok", "value": jsonable}
 
 
-def _refuse_sets(value: Any) -> None:
-    if isinstance(value, set | frozenset):
-        raise TypeError("a set has no stable order; return a sorted list")
-    if isinstance(value, dict):
-        for item in value.values():
-            _refuse_sets(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            _refuse_sets(item)
+def _unrecordable(reason: str) -> dict[str, Any]:
+    return {"status": "error", "error": f"the tool's result cannot be recorded ({reason[:500]})"}
 
 
 def _tool_text(outcome: Any) -> str:

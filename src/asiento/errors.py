@@ -8,9 +8,11 @@
     │   ├── NotAJournal         the file is not an asiento journal (or not SQLite at all)
     │   ├── JournalCorrupt      the journal file is damaged; it is never overwritten
     │   ├── JournalBusy         another process held the write lock past the timeout
+    │   ├── JournalReadOnly     the journal cannot be written here (read-only file system, rights)
     │   ├── JournalFull         the disk (or the journal's size limit) is full; nothing was written
     │   ├── RecordTooLarge      a record's payload is over the journal's size limit
     │   ├── JournalTooNew       the journal was written by a newer asiento
+    │   ├── MigrationFailed     upgrading the journal's schema failed; it was left unchanged
     │   ├── RunLocked           another session holds the run's lease
     │   ├── LeaseLost           this session's lease expired or was taken over: it writes nothing
     │   │   └── RunAbandoned    a person abandoned the run while this session drove it
@@ -69,6 +71,15 @@ class JournalBusy(JournalError):
     """Another process kept the journal locked longer than the timeout."""
 
 
+class JournalReadOnly(JournalError):
+    """The journal cannot be written where it is: nothing was written.
+
+    A read-only file system or mount, or a file (or its directory, where SQLite keeps
+    the ``-wal`` and ``-shm`` files) this process has no right to write. To only read
+    such a journal, open it with ``SqliteCheckpointer(path, read_only=True)``.
+    """
+
+
 class JournalFull(JournalError):
     """No room left for the journal: the transaction was rolled back, nothing recorded.
 
@@ -83,6 +94,20 @@ class RecordTooLarge(JournalError):
 
 class JournalTooNew(JournalError):
     """The journal's schema version is newer than this asiento understands."""
+
+
+class MigrationFailed(JournalError):
+    """A schema migration failed; its transaction was rolled back, the journal is unchanged.
+
+    ``migration`` is the number of the migration that failed and ``version`` the
+    schema the journal is still at. A busy, damaged, full or read-only journal met
+    during a migration raises ``JournalBusy``, ``JournalCorrupt``, ``JournalFull``
+    or ``JournalReadOnly`` instead, with the same facts in its message.
+    """
+
+    def __init__(self, message: str, *, migration: int, version: int) -> None:
+        self.migration, self.version = migration, version
+        super().__init__(message)
 
 
 class RunLocked(JournalError):

@@ -15,6 +15,7 @@ This file is also the child of the payload tests: ``python test_bad_inputs.py MO
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -364,6 +365,64 @@ async def test_result_that_is_not_json_is_a_recorded_failure(tmp_path: Path, kin
     await store.close()
     assert replay == [FinalStep(run_id=RUN, step_id="m2", text="ok", replayed=True)]
     assert (ran, again.calls) == ([kind], [])
+
+
+@dataclasses.dataclass
+class Node:
+    """A tree node that points back to its parent (a cycle once linked)."""
+
+    name: str
+    children: list[Any] = dataclasses.field(default_factory=list)
+    parent: Any = None
+
+
+def list_cycle() -> list[Any]:
+    value: list[Any] = [1, {"rows": []}]
+    value[1]["rows"].append(value)
+    return value
+
+
+def dataclass_cycle() -> Node:
+    root = Node("root")
+    root.children.append(Node("leaf", parent=root))
+    return root
+
+
+CYCLES: dict[str, tuple[Callable[[], Any], str]] = {
+    # name: (the tool's result, where the recorded error must say it refers to itself)
+    "dict": (dict_cycle, "result['self']['parent'] is result itself"),
+    "list": (list_cycle, "result[1]['rows'][0] is result itself"),
+    "dataclass": (dataclass_cycle, "result.children[0].parent is result itself"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CYCLES))
+async def test_a_cyclic_result_is_recorded_naming_the_cycle(tmp_path: Path, kind: str) -> None:
+    """A tool result that contains itself is the step's recorded failure, and the model is
+    told where the cycle is, not "RecursionError: maximum recursion depth exceeded"."""
+    make, where = CYCLES[kind]
+
+    @tool
+    def tree() -> Any:
+        """Return a structure that refers to itself."""
+        return make()
+
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    gateway = ScriptedGateway(
+        [ModelResponse(tool_calls=[ToolCall(name="tree", arguments={})]), ModelResponse(text="ok")]
+    )
+    try:
+        session = Session(RUN, gateway, store)
+        steps = [s async for s in Agent(tools=[tree]).run("t", session=session)]
+        [result] = [e for e in await store.load_step(RUN, "m1.t1") if e.phase == Phase.RESULT]
+    finally:
+        await store.close()
+    assert isinstance(steps[-1], FinalStep)
+    assert result.payload["status"] == "error"
+    assert f"{where}: a reference cycle" in result.payload["error"]
+    [told] = [m.content for m in gateway.calls[1][0].messages if m.role == "tool"]
+    assert where in told
+    assert "RecursionError" not in told
 
 
 async def test_lone_surrogate_result_does_not_wedge_a_real_gateway(

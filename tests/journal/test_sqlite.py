@@ -7,6 +7,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 from asiento import (
     DuplicateRecord,
     JournalCorrupt,
+    JournalReadOnly,
     JournalTooNew,
     NotAJournal,
     Phase,
@@ -24,6 +26,7 @@ from asiento import (
     UsageError,
 )
 from asiento.journal._sqlite_schema import APPLICATION_ID, SCHEMA_VERSION
+from journal.mounts import read_only_view
 
 CHILD_TIMEOUT = 30
 
@@ -315,3 +318,110 @@ async def test_duplicate_names_the_key(sqlite_path: Path) -> None:
             await store.append(ev("m1"))
     finally:
         await store.close()
+
+
+# -- damaged, unwritable and empty journals (issue 12, item 8) --------------------------
+
+
+def overwritten(start: int, length: int) -> Callable[[bytes], bytes]:
+    """Damage: ``length`` bytes of garbage from ``start`` on (the file keeps its size)."""
+
+    def damage(data: bytes) -> bytes:
+        garbage = random.Random(start).randbytes(length)
+        return data[:start] + garbage + data[start + length :]
+
+    return damage
+
+
+PAGE = 4096
+DAMAGE: dict[str, Callable[[bytes], bytes]] = {
+    "cut-in-half": lambda data: data[: len(data) // 2],
+    "cut-to-its-first-page": lambda data: data[:PAGE],
+    "cut-inside-its-header": lambda data: data[:50],
+    "first-page-overwritten-after-the-header": overwritten(100, PAGE - 100),
+    "sqlite-magic-overwritten": overwritten(0, 16),  # application_id (offset 68) survives
+    "middle-pages-overwritten": overwritten(10 * PAGE, 3 * PAGE),
+}
+
+
+@pytest.mark.parametrize("name", list(DAMAGE))
+async def test_a_damaged_journal_is_journal_corrupt_and_says_what_to_do(
+    sqlite_path: Path, name: str
+) -> None:
+    """A real journal cut short or with pages overwritten raises JournalCorrupt (not
+    NotAJournal) naming the file, the damage and what to do; the file is left as it is."""
+    await fill(sqlite_path, 600)
+    data = DAMAGE[name](sqlite_path.read_bytes())
+    assert data != sqlite_path.read_bytes()
+    sqlite_path.write_bytes(data)
+    with pytest.raises(JournalCorrupt) as damaged:
+        await open_read_write(sqlite_path)
+    message = str(damaged.value)
+    assert str(sqlite_path) in message
+    assert "is damaged" in message
+    assert "left as it is" in message
+    assert "backup" in message
+    assert ".recover" in message
+    assert sqlite_path.read_bytes() == data
+
+
+async def test_a_journal_on_a_read_only_file_system_is_journal_read_only(tmp_path: Path) -> None:
+    """A journal on a read-only mount (a real one: root ignores file modes) is refused with
+    JournalReadOnly saying it cannot be written and why, not NotAJournal; so is a new
+    journal there. Nothing is written, and the journal reads the same afterwards."""
+    with read_only_view(tmp_path) as (folder, view):
+        await fill(folder / "runs.db", 40)
+        before = (folder / "runs.db").read_bytes()
+        with pytest.raises(JournalReadOnly) as refused:
+            SqliteCheckpointer(view / "runs.db")
+        message = str(refused.value)
+        assert "cannot write the journal" in message
+        assert "read-only file system" in message
+        assert "nothing was written" in message
+        assert "read_only=True" in message
+        with pytest.raises(JournalReadOnly, match=r"its folder .* is on a read-only file system"):
+            SqliteCheckpointer(view / "new.db")
+        assert sorted(p.name for p in folder.iterdir()) == ["runs.db"]
+        assert (folder / "runs.db").read_bytes() == before
+
+
+async def test_a_read_only_store_reads_what_it_cannot_write(tmp_path: Path) -> None:
+    """read_only=True reads a journal on a read-only mount, including what a live writer
+    has in its WAL only; its writes raise JournalReadOnly and record nothing."""
+    with read_only_view(tmp_path) as (folder, view):
+        await fill(folder / "runs.db", 40)
+        writer = SqliteCheckpointer(folder / "runs.db")
+        reader = SqliteCheckpointer(view / "runs.db", read_only=True)
+        try:
+            assert len(await reader.load("run-1")) == 40
+            await writer.append(ev("late", run_id="run-2"))  # in the writer's WAL only
+            assert [e.step_id for e in await reader.load("run-2")] == ["late"]
+            with pytest.raises(JournalReadOnly, match="read-only file system"):
+                await reader.append(ev("forbidden", run_id="run-3"))
+            assert await writer.load("run-3") == []
+        finally:
+            await reader.close()
+            await writer.close()
+        closed = SqliteCheckpointer(view / "runs.db", read_only=True)  # no -wal, no -shm now
+        try:
+            assert len(await closed.load("run-1")) == 40
+        finally:
+            await closed.close()
+
+
+async def test_a_read_only_store_does_not_migrate_nor_make_a_journal(tmp_path: Path) -> None:
+    """read_only=True refuses a journal at an older schema (upgrading writes) and an empty
+    file (NotAJournal); both are left byte for byte as they were."""
+    old = tmp_path / "old.db"
+    await fill(old, 20)
+    with closing(sqlite3.connect(old)) as db:
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION - 1}")
+    before = old.read_bytes()
+    with pytest.raises(JournalReadOnly, match=f"schema {SCHEMA_VERSION - 1}"):
+        SqliteCheckpointer(old, read_only=True)
+    assert old.read_bytes() == before
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    with pytest.raises(NotAJournal, match="empty"):
+        SqliteCheckpointer(empty, read_only=True)
+    assert empty.read_bytes() == b""

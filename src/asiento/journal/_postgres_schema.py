@@ -81,21 +81,13 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         WHERE runs.run_id = counted.run_id
         """,
     ),
-    # 3: prompt-cache tokens of each run's paid calls (read from, written to a cache),
-    # summed from the model results already recorded.
+    # 3: prompt-cache tokens of each run's paid calls (read from, written to a cache);
+    # the model results already recorded are summed by ``postgres._backfill_cache_tokens``,
+    # in Python: ``payload::jsonb`` refuses the \u0000 and lone surrogate escapes asiento
+    # writes, and one such record anywhere made the upgrade fail at every open.
     (
         "ALTER TABLE runs ADD COLUMN cached_input_tokens bigint NOT NULL DEFAULT 0",
         "ALTER TABLE runs ADD COLUMN cache_write_tokens bigint NOT NULL DEFAULT 0",
-        """
-        UPDATE runs SET cached_input_tokens = counted.read, cache_write_tokens = counted.written
-        FROM (SELECT run_id,
-                     sum((payload::jsonb #>> '{response,cache,0}')::bigint) AS read,
-                     sum((payload::jsonb #>> '{response,cache,1}')::bigint) AS written
-              FROM journal
-              WHERE phase = 'result' AND payload LIKE '%"cache"%'
-              GROUP BY run_id) AS counted
-        WHERE runs.run_id = counted.run_id AND counted.read IS NOT NULL
-        """,
     ),
     # 4: when each record was written, on the server's clock: what judges a key's age.
     # Added without a default, then given one: a default in ADD COLUMN would stamp

@@ -54,7 +54,7 @@ MIGRATIONS: tuple[str, ...] = (
     );
     """,
     # 3: prompt-cache tokens of each run's paid calls (read from, written to a cache);
-    # the existing model results are counted by ``sqlite._backfill_cache_tokens``.
+    # the existing model results are counted by ``_sqlite_open._backfill_cache_tokens``.
     """
     ALTER TABLE runs ADD COLUMN cached_input_tokens INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE runs ADD COLUMN cache_write_tokens INTEGER NOT NULL DEFAULT 0;

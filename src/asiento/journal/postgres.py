@@ -39,12 +39,14 @@ from ..errors import (
     JournalBusy,
     JournalError,
     JournalTooNew,
+    MigrationFailed,
     NotAJournal,
     UsageError,
 )
 from ..events import FINAL_STEP_ID, Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
 from . import _postgres_schema as sql
+from ._backfill import CACHE_RECORDS, MIGRATION_ADVICE, CacheTotals
 from .base import (
     Row,
     check_id,
@@ -100,7 +102,8 @@ class PostgresCheckpointer:
     """Journal in a PostgreSQL database, shared by any number of processes and machines.
 
     ``dsn`` is a libpq connection string or URL; ``min_size`` and ``max_size``
-    bound the connection pool; ``timeout`` is how long to wait for a connection;
+    bound the connection pool; ``timeout`` is how long to wait for a connection
+    (and, while migrating, for a table another session holds);
     ``retry_for`` is how long one operation keeps retrying, on new connections,
     when its connection is lost (a failover, a terminated backend), so that a tool
     result already paid for is not dropped over a blip. Error messages name the
@@ -480,18 +483,39 @@ class PostgresCheckpointer:
         return pool
 
     async def _migrate(self) -> None:
-        """Bring the schema up to date in one transaction, under the migrations' lock."""
+        """Bring the schema up to date in one transaction, under the migrations' lock.
+
+        Once that lock is held, a migration waits at most ``timeout`` for a table another
+        session holds (rather than queueing every session behind its own lock): then
+        ``JournalBusy``. Any failure rolls every migration of the upgrade back.
+        """
         with self._errors():
             conn = await AsyncConnection.connect(self.dsn, **self._connect)
             async with conn, conn.transaction():
                 await conn.execute("SELECT pg_advisory_xact_lock(%s)", (sql.MIGRATION_LOCK,))
                 version = await self._schema_version(conn)
-                for number in range(version, sql.SCHEMA_VERSION):
-                    for statement in sql.MIGRATIONS[number]:
-                        await conn.execute(statement)
-                    await conn.execute(
-                        "INSERT INTO asiento_schema (version) VALUES (%s)", (number + 1,)
-                    )
+                wait = f"{max(int(self._timeout * 1000), 1)}ms"
+                await conn.execute("SELECT set_config('lock_timeout', %s, true)", (wait,))
+                for number in range(version + 1, sql.SCHEMA_VERSION + 1):
+                    try:
+                        await _apply(conn, number)
+                    except Exception as exc:
+                        raise self._migration_failed(exc, number, version) from exc
+
+    def _migration_failed(self, exc: Exception, number: int, version: int) -> JournalError:
+        """The error for a migration that failed: which one, why, unchanged, what to do."""
+        cause = _text(exc) if isinstance(exc, psycopg.Error) else f"{type(exc).__name__}: {exc}"
+        text = (
+            f"{self.where}: migration {number} (schema {number - 1} to {number}) could not be "
+            f"applied: {cause}. The journal is unchanged, still at schema {version} (its "
+            "transaction was rolled back)"
+        )
+        if isinstance(exc, psycopg.errors.LockNotAvailable):
+            return JournalBusy(
+                f"{text}. Another session held one of its tables for longer than the "
+                f"{self._timeout:g} s timeout: retry once it lets go"
+            )
+        return MigrationFailed(f"{text}. {MIGRATION_ADVICE}", migration=number, version=version)
 
     async def _schema_version(self, conn: Conn) -> int:
         journal, runs, versions = await _one(
@@ -560,6 +584,36 @@ async def _rollback(conn: Conn) -> None:
         return
     with contextlib.suppress(psycopg.Error):  # the pool drops a connection it cannot reset
         await conn.execute("ROLLBACK")
+
+
+async def _apply(conn: Conn, number: int) -> None:
+    for statement in sql.MIGRATIONS[number - 1]:
+        await conn.execute(statement)
+    if backfill := _BACKFILLS.get(number):
+        await backfill(conn)
+    await conn.execute("INSERT INTO asiento_schema (version) VALUES (%s)", (number,))
+
+
+async def _backfill_cache_tokens(conn: Conn) -> None:
+    """Migration 3: each run's prompt-cache tokens, summed from its recorded model results.
+
+    Read in Python, row by row from a server-side cursor: ``jsonb`` cannot read every
+    record asiento writes (``_backfill``).
+    """
+    totals = CacheTotals()
+    async with conn.cursor(name="asiento_backfill") as found:
+        await found.execute(CACHE_RECORDS)
+        async for run_id, payload in found:
+            totals.add(run_id, payload)
+    async with conn.cursor() as cur:
+        await cur.executemany(
+            "UPDATE runs SET cached_input_tokens = %s, cache_write_tokens = %s WHERE run_id = %s",
+            totals.updates(),
+        )
+
+
+# What a migration fills in after its SQL ran, by the version it brings the database to.
+_BACKFILLS: dict[int, Callable[[Conn], Awaitable[None]]] = {3: _backfill_cache_tokens}
 
 
 def _text(exc: psycopg.Error) -> str:

@@ -7,12 +7,13 @@ racing for the same record; there is no read-then-write check anywhere.
 from __future__ import annotations
 
 import errno
-import json
 import os
+import shlex
 import sqlite3
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -24,14 +25,18 @@ from ..errors import (
     JournalCorrupt,
     JournalError,
     JournalFull,
+    JournalReadOnly,
     JournalTooNew,
+    MigrationFailed,
     NotAJournal,
     UsageError,
 )
 from ..events import FINAL_STEP_ID, Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
+from ._backfill import MIGRATION_ADVICE
 from ._sqlite_capi import keep_wal_on_close, os_errno
-from ._sqlite_schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION
+from ._sqlite_open import Progress, connect, identity, looks_like_a_journal, migrate, unwritable
+from ._sqlite_schema import SCHEMA_VERSION
 from .base import (
     Row,
     check_id,
@@ -151,26 +156,49 @@ class SqliteCheckpointer:
 
     ``durability="full"`` (the default) survives power loss: every commit is
     fsynced. ``durability="process"`` survives a crash of the process only and
-    saves the fsync per commit.
+    saves the fsync per commit. ``timeout`` is how long to wait for another
+    process's lock. A journal this process cannot write is refused with
+    ``JournalReadOnly``; ``read_only=True`` opens one to read it (a read-only
+    mount included), never migrating it, and its writes raise ``JournalReadOnly``.
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, durability: Durability = "full", timeout: float = 5.0
+        self,
+        path: str | os.PathLike[str],
+        *,
+        durability: Durability = "full",
+        timeout: float = 5.0,
+        read_only: bool = False,
     ) -> None:
         if durability not in _SYNCHRONOUS:
             raise UsageError(f"durability must be 'full' or 'process', got {durability!r}")
         self.path = Path(path)
         self.durability = durability
-        self._db = _connect(self.path, timeout)
+        self.read_only = read_only
+        self._timeout = timeout
+        self._db = connect(self.path, timeout, read_only=read_only)
         try:
-            _check_identity(self._db, self.path)
-            self._db.execute(f"PRAGMA synchronous={_SYNCHRONOUS[durability]}")
-            if self._db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
-                _migrate(self._db, self.path)
+            self._open()
         except BaseException:
             keep_wal_on_close(self._db, self.path)  # refused: leave every file as found
             self._db.close()
             raise
+
+    def _open(self) -> None:
+        """Check that the file is a journal this asiento reads, and bring its schema up to date."""
+        try:
+            version = identity(self._db, self.path, read_only=self.read_only)
+            self._db.execute(f"PRAGMA synchronous={_SYNCHRONOUS[self.durability]}")
+        except sqlite3.Error as exc:
+            raise self._translated(exc) from exc
+        if version < SCHEMA_VERSION:
+            progress = Progress(version)
+            try:
+                migrate(self._db, self.path, progress)
+            except JournalTooNew:
+                raise
+            except Exception as exc:
+                raise self._migration_failed(exc, progress) from exc
 
     async def append(
         self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
@@ -429,25 +457,71 @@ class SqliteCheckpointer:
 
     def _translated(self, exc: sqlite3.Error) -> Exception:
         """The asiento error for one of SQLite's (errors outside these two classes pass)."""
+        if _error_name(exc) == "SQLITE_NOTADB" and not looks_like_a_journal(self.path):
+            return NotAJournal(
+                f"{self.path} is not an asiento journal ({exc}); it was left as it is"
+            )
+        trouble = self._trouble(exc)
+        if trouble is None:
+            return exc
+        text = "; ".join(
+            part for part in (f"{self.path}: {trouble.cause}", trouble.outcome) if part
+        )
+        return trouble.kind(f"{text}. {trouble.advice}" if trouble.advice else text)
+
+    def _migration_failed(self, exc: Exception, progress: Progress) -> JournalError:
+        """The error for a migration that failed: which one, why, unchanged, what to do."""
+        trouble = self._trouble(exc) if isinstance(exc, sqlite3.Error) else None
+        kind = trouble.kind if trouble is not None else JournalError
+        cause = trouble.cause if trouble is not None else f"{type(exc).__name__}: {exc}"
+        text = f"{self.path}: {progress.step()} could not be applied: {cause}. {progress.kept()}"
+        if trouble is not None and kind is not JournalError:
+            return kind(f"{text}. {trouble.advice}")
+        return MigrationFailed(
+            f"{text}. {MIGRATION_ADVICE}",
+            migration=progress.number or progress.start + 1,
+            version=progress.start,
+        )
+
+    def _trouble(self, exc: sqlite3.Error) -> _Trouble | None:
+        """What one of SQLite's errors means for this journal (None: not a database error)."""
+        text, name = str(exc), _error_name(exc)
+        if name.startswith("SQLITE_READONLY") or "readonly database" in text:
+            return self._read_only(exc)
+        if name.startswith("SQLITE_CORRUPT") or name == "SQLITE_NOTADB" or "decode" in text:
+            return self._corrupt(exc)
         if isinstance(exc, sqlite3.OperationalError):
-            if "decode" in str(exc):
-                return self._corrupt(exc)
-            if "is full" in str(exc):
-                return JournalFull(
-                    f"{self.path}: {exc}; nothing of this write was recorded. "
-                    "Free some space, then resume the run"
-                )
+            if "is full" in text:
+                return _Trouble(JournalFull, text, _NOTHING, "Free some space, then resume the run")
             if limit := self._limit_behind(exc):
-                return JournalFull(
-                    f"{self.path}: {exc} ({limit}); nothing of this write was recorded. "
-                    "Raise the limit or free some space, then resume the run"
+                advice = "Raise the limit or free some space, then resume the run"
+                return _Trouble(JournalFull, f"{text} ({limit})", _NOTHING, advice)
+            if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text:
+                cause = (
+                    f"{text}: another process held the journal's lock for longer than the "
+                    f"{self._timeout:g} s timeout"
                 )
-            if "locked" in str(exc) or "busy" in str(exc):
-                return JournalBusy(f"{self.path}: {exc}; another process holds the lock")
-            return JournalError(f"{self.path}: {exc}")
+                return _Trouble(JournalBusy, cause, "nothing was written", "Retry once it lets go")
+            if name.startswith("SQLITE_CANTOPEN"):
+                advice = "Check that its folder exists and that this process may write there"
+                return _Trouble(JournalError, f"cannot open the journal file ({text})", "", advice)
+            return _Trouble(JournalError, text, "", "")
         if isinstance(exc, sqlite3.DatabaseError):
             return self._corrupt(exc)
-        return exc
+        return None
+
+    def _read_only(self, exc: sqlite3.Error) -> _Trouble:
+        why = unwritable(self.path)
+        if why is None and self.read_only:
+            cause = f"this store was opened with read_only=True ({exc})"
+            advice = "Open it without read_only=True to record anything"
+            return _Trouble(JournalReadOnly, cause, _NOTHING, advice)
+        advice = (
+            "Make the journal writable (the file, and its folder, where SQLite keeps the -wal "
+            "and -shm files), then try again"
+        )
+        cause = f"cannot write the journal: {why or 'SQLite may not write it'} ({exc})"
+        return _Trouble(JournalReadOnly, cause, _NOTHING, advice)
 
     def _limit_behind(self, exc: sqlite3.Error) -> str | None:
         """The limit a bare "disk I/O error" ran into, if it was one (EFBIG, EDQUOT)."""
@@ -455,89 +529,35 @@ class SqliteCheckpointer:
             return None
         return _NO_ROOM.get(os_errno(self._db, self.path) or 0)
 
-    def _corrupt(self, exc: sqlite3.Error) -> JournalCorrupt:
-        """The error for a damaged file, which from now on closing will not checkpoint."""
+    def _corrupt(self, exc: sqlite3.Error) -> _Trouble:
+        """A damaged file, which from now on closing will not checkpoint."""
         if keep_wal_on_close(self._db, self.path):
-            return JournalCorrupt(f"{self.path}: {exc}; the file was left as it is")
-        return JournalCorrupt(
-            f"{self.path}: {exc}; copy the file and its -wal before closing this store: "
-            "this Python cannot stop SQLite from checkpointing the WAL on close"
+            outcome = "it was left as it is, and asiento will not write to it"
+        else:
+            outcome = (
+                "copy the file and its -wal before closing this store: this Python cannot stop "
+                "SQLite from checkpointing the WAL on close"
+            )
+        advice = (
+            "Restore the journal from a backup, or salvage what SQLite can still read into a "
+            f"new file (sqlite3 {shlex.quote(str(self.path))} .recover | sqlite3 salvaged.db) "
+            "and check it before resuming its runs"
         )
+        return _Trouble(JournalCorrupt, f"the journal file is damaged ({exc})", outcome, advice)
 
 
-def _connect(path: Path, timeout: float) -> sqlite3.Connection:
-    if path.is_dir():
-        raise UsageError(f"{path} is a directory, not a journal file")
-    try:
-        db = sqlite3.connect(path, timeout=timeout, isolation_level=None, check_same_thread=False)
-    except sqlite3.Error as exc:
-        raise JournalError(f"cannot open journal {path}: {exc}") from exc
-    return db
+_NOTHING = "nothing of this write was recorded"
 
 
-def _check_identity(db: sqlite3.Connection, path: Path) -> None:
-    """Refuse a file that is not an asiento journal before touching it."""
-    try:
-        app_id = db.execute("PRAGMA application_id").fetchone()[0]
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        tables = db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
-    except sqlite3.DatabaseError as exc:
-        raise NotAJournal(
-            f"{path} is not an asiento journal ({exc}); it was left as it is"
-        ) from exc
-    if app_id != APPLICATION_ID and (app_id != 0 or tables):
-        raise NotAJournal(f"{path} is an SQLite database but not an asiento journal")
-    if version > SCHEMA_VERSION:
-        raise JournalTooNew(
-            f"{path} has journal schema {version}; this asiento reads up to {SCHEMA_VERSION}. "
-            "Upgrade asiento to resume these runs"
-        )
-    db.execute("PRAGMA journal_mode=WAL")
+@dataclass(frozen=True, slots=True)
+class _Trouble:
+    """What an SQLite error means: the error to raise, why, what it left, what to do."""
+
+    kind: type[JournalError]
+    cause: str
+    outcome: str
+    advice: str
 
 
-def _migrate(db: sqlite3.Connection, path: Path) -> None:
-    """Apply the missing migrations in one write transaction; safe to race."""
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise JournalTooNew(f"{path} was upgraded to schema {version} by a newer asiento")
-        for number in range(version, SCHEMA_VERSION):
-            for statement in MIGRATIONS[number].split(";"):
-                if statement.strip():
-                    db.execute(statement)
-            if backfill := _BACKFILLS.get(number + 1):
-                backfill(db)
-            db.execute(f"PRAGMA user_version = {number + 1}")
-        db.execute(f"PRAGMA application_id = {APPLICATION_ID}")
-    except BaseException:
-        db.rollback()
-        raise
-    db.commit()
-
-
-def _backfill_cache_tokens(db: sqlite3.Connection) -> None:
-    """Migration 3: each run's prompt-cache tokens, summed from its recorded model results.
-
-    Read in Python rather than with SQLite's JSON functions, which not every build
-    has. A record that cannot be read counts nothing here; ``load`` reports it.
-    """
-    totals: dict[str, tuple[int, int]] = {}
-    found = db.execute(
-        "SELECT run_id, payload FROM journal WHERE phase = 'result' AND payload LIKE '%\"cache\"%'"
-    )
-    for run_id, payload in found:
-        try:
-            read, written = json.loads(payload)["response"]["cache"]
-            before = totals.get(run_id, (0, 0))
-            totals[run_id] = (before[0] + int(read), before[1] + int(written))
-        except (ValueError, TypeError, KeyError):
-            continue
-    db.executemany(
-        "UPDATE runs SET cached_input_tokens = ?, cache_write_tokens = ? WHERE run_id = ?",
-        [(read, written, run_id) for run_id, (read, written) in totals.items()],
-    )
-
-
-# What a migration fills in after its SQL ran, by the version it brings the file to.
-_BACKFILLS: dict[int, Callable[[sqlite3.Connection], None]] = {3: _backfill_cache_tokens}
+def _error_name(exc: sqlite3.Error) -> str:
+    return str(getattr(exc, "sqlite_errorname", "") or "")
