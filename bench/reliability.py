@@ -18,6 +18,9 @@ child processes killed with real SIGKILLs and checks the invariants of
   PostgreSQL also connections cut inside commits, connections terminated at
   random instants by the parent, and server restarts (immediate: a crash);
 - lease races: a driver stopped past its lease while another takes over;
+- decision races: approvals and resolutions (API and ``asiento`` command, the
+  deciding process sometimes killed) against a pass resuming the run, then a
+  worker drains the store; abandon against a pass that drives the run;
 - fsync audit: under strace, every rename is followed by a directory fsync
   before the journal commits the step's result;
 - in the ci and large tiers, the hostile-condition campaigns of tests/inputs run
@@ -25,7 +28,8 @@ child processes killed with real SIGKILLs and checks the invariants of
   machine; its large profile in the large tier), counted in a third table.
 
 Then the negative controls: each campaign must catch a deliberately planted
-bug (no write-ahead before the effect, no fencing check, no directory fsync).
+bug (no write-ahead before the effect, no fencing check, no directory fsync,
+a loop status written over a person's decision, an abandon without the fence).
 
 The first table must show zero violations; the second, every plant caught.
 The exit code is 0 only then. PostgreSQL is started by the script (from the
@@ -69,12 +73,34 @@ class Tier:
     max_seconds: float
     control_kills: int  # the storm control's budget (0: the matrix alone catches it)
     hypothesis: str | None  # the state machine's profile; None: skip tests/inputs
+    decisions: dict[str, int]  # races of each kind of decision (approve, resolve)
+    abandons: int  # runs abandoned while a pass drives them
 
 
 TIERS = {
-    "smoke": Tier({"sqlite": 30, "postgresql": 30}, 1, 1, 60.0, 0, None),
-    "ci": Tier({"sqlite": 1000, "postgresql": 1000}, 10, 2, 600.0, 200, "ci"),
-    "large": Tier({"sqlite": 20_000, "postgresql": 5_000}, 50, 10, 7200.0, 200, "large"),
+    "smoke": Tier(
+        {"sqlite": 30, "postgresql": 30}, 1, 1, 60.0, 0, None, {"sqlite": 2, "postgresql": 2}, 2
+    ),
+    "ci": Tier(
+        {"sqlite": 1000, "postgresql": 1000},
+        10,
+        2,
+        600.0,
+        200,
+        "ci",
+        {"sqlite": 50, "postgresql": 200},
+        40,
+    ),
+    "large": Tier(
+        {"sqlite": 20_000, "postgresql": 5_000},
+        50,
+        10,
+        7200.0,
+        200,
+        "large",
+        {"sqlite": 2_000, "postgresql": 1_000},
+        500,
+    ),
 }
 
 
@@ -151,6 +177,10 @@ def campaigns(
             reports.append(_done(storm))
         with harness(stores, root, backend, restart) as h:
             reports.append(_done(h.lease_race(tier.races, seed=seed)))
+        with harness(stores, root, backend, restart) as h:
+            reports.append(_done(h.decision_race(tier.decisions[backend], seed=seed)))
+        with harness(stores, root, backend, restart) as h:
+            reports.append(_done(h.abandon_race(tier.abandons, seed=seed)))
     with harness(stores, root, "sqlite", restart) as h:
         reports.append(_done(h.fsync_audit()))
     return reports
@@ -168,6 +198,14 @@ def controls(stores: Stores, root: Path, tier: Tier, seed: int) -> list[tuple[st
         found.append(("no_fencing", _done(h.lease_race(max(1, tier.races // 2), seed=seed))))
     with harness(stores, root, "sqlite", None, plant="no_dir_fsync") as h:
         found.append(("no_dir_fsync", _done(h.fsync_audit())))
+    with harness(stores, root, "sqlite", None, plant="stale_status") as h:
+        races = h.decision_race(
+            5, seed=seed, kinds=("approve",), orders=("snapshot",), person_faults=False
+        )
+        found.append(("stale_status", _done(races)))
+    with harness(stores, root, "sqlite", None, plant="unfenced_abandon") as h:
+        abandons = h.abandon_race(5, seed=seed, person_faults=False)
+        found.append(("unfenced_abandon", _done(abandons)))
     return found
 
 

@@ -73,10 +73,16 @@ class Trial:
         return f"{self.kind} via {self.via}, {self.order}, person: {fault}"
 
 
-def choose_trial(rng: random.Random, kind: str, seconds: float) -> Trial:
-    order = rng.choice(ORDERS[kind])
+def choose_trial(
+    rng: random.Random,
+    kind: str,
+    seconds: float,
+    orders: tuple[str, ...] | None = None,
+    person_faults: bool = True,
+) -> Trial:
+    order = rng.choice(orders or ORDERS[kind])
     via = rng.choice(("api", "cli"))
-    dice = rng.random()
+    dice = rng.random() if person_faults else 1.0
     if dice < 0.2:
         fault = Fault(crash=rng.choice(PERSON_POINTS[kind]))
     elif dice < 0.4:
@@ -87,9 +93,16 @@ def choose_trial(rng: random.Random, kind: str, seconds: float) -> Trial:
 
 
 def decision_race(
-    harness: CrashHarness, trials: int, seed: int, kinds: tuple[str, ...] = ("approve", "resolve")
+    harness: CrashHarness,
+    trials: int,
+    seed: int,
+    kinds: tuple[str, ...] = ("approve", "resolve"),
+    *,
+    orders: tuple[str, ...] | None = None,
+    person_faults: bool = True,
 ) -> Report:
-    """``trials`` races of each kind of decision against a resuming pass."""
+    """``trials`` races of each kind of decision against a resuming pass (``orders``:
+    only those; ``person_faults``: the deciding process may be killed)."""
     started = time.monotonic()
     report = Report("decision races", harness.backend, seed=seed)
     rng = random.Random(seed)
@@ -98,7 +111,8 @@ def decision_race(
         seconds = max(plan.seconds.values(), default=0.05)
         for kind in kinds:
             for _ in range(trials):
-                trial = choose_trial(rng, kind, seconds)
+                allowed = tuple(o for o in ORDERS[kind] if orders is None or o in orders)
+                trial = choose_trial(rng, kind, seconds, allowed, person_faults)
                 decision_trial(harness, servers, plan, trial, report)
     harness.check_store(report)
     report.seconds = time.monotonic() - started
@@ -222,7 +236,9 @@ class AbandonRecord:
     case: str
 
 
-def abandon_race(harness: CrashHarness, trials: int, seed: int) -> Report:
+def abandon_race(
+    harness: CrashHarness, trials: int, seed: int, person_faults: bool = True
+) -> Report:
     """``trials`` runs abandoned while a stopped pass holds them, then let go on."""
     started = time.monotonic()
     report = Report("abandon while driven", harness.backend, seed=seed)
@@ -231,7 +247,10 @@ def abandon_race(harness: CrashHarness, trials: int, seed: int) -> Report:
         plan = harness.dry_run(servers[0], report)
         seconds = max(plan.seconds.values(), default=0.05)
         for _ in range(trials):
-            abandon_trial(harness, servers, plan, rng=rng, seconds=seconds, report=report)
+            abandon_trial(
+                harness, servers, plan, rng=rng, seconds=seconds, report=report,
+                person_faults=person_faults,
+            )  # fmt: skip
     harness.check_store(report)
     report.seconds = time.monotonic() - started
     return report
@@ -245,10 +264,11 @@ def abandon_trial(
     rng: random.Random,
     seconds: float,
     report: Report,
+    person_faults: bool = True,
 ) -> None:
     where = rng.choice(("model", "tool"))
     via = rng.choice(("api", "cli"))
-    dice = rng.random()
+    dice = rng.random() if person_faults else 1.0
     fault = Fault(crash="inside_commit@1") if dice < 0.15 else Fault()
     if 0.15 <= dice < 0.3:
         fault = Fault(kill_after=rng.uniform(0.0, seconds))

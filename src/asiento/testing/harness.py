@@ -299,25 +299,37 @@ class CrashHarness:
         *,
         seed: int | None = None,
         kinds: Sequence[str] = ("approve", "resolve"),
+        orders: Sequence[str] | None = None,
+        person_faults: bool = True,
     ) -> Report:
         """People deciding while a pass resumes the run: no decision is ever overwritten.
 
         ``trials`` races of each kind (approvals, resolutions), through the API and the
-        ``asiento`` command, the deciding process sometimes killed; then a worker drains.
+        ``asiento`` command, the deciding process sometimes killed (unless not
+        ``person_faults``), in every order (or only ``orders``: ``snapshot``,
+        ``expired``, ``dead``, ``free``); then a worker drains the store.
         """
         from ._decisions import decision_race
 
         chosen = seed if seed is not None else self.seed
         return decision_race(
-            self, trials, chosen if chosen is not None else time.time_ns() % 2**32, tuple(kinds)
+            self,
+            trials,
+            chosen if chosen is not None else time.time_ns() % 2**32,
+            tuple(kinds),
+            orders=None if orders is None else tuple(orders),
+            person_faults=person_faults,
         )
 
-    def abandon_race(self, trials: int = 20, *, seed: int | None = None) -> Report:
+    def abandon_race(
+        self, trials: int = 20, *, seed: int | None = None, person_faults: bool = True
+    ) -> Report:
         """Runs abandoned while a pass drives them: once abandon returns, nothing more starts."""
         from ._decisions import abandon_race
 
         chosen = seed if seed is not None else self.seed
-        return abandon_race(self, trials, chosen if chosen is not None else time.time_ns() % 2**32)
+        chosen = chosen if chosen is not None else time.time_ns() % 2**32
+        return abandon_race(self, trials, chosen, person_faults)
 
     def fsync_audit(self) -> Report:
         """Under strace: every rename of ``write_atomic`` is followed by a directory fsync."""
