@@ -40,8 +40,13 @@ def test_smoke_tier_has_zero_violations_and_catches_the_plants(tmp_path: Path) -
         ("random_SIGKILLs", "postgresql"),
         ("lease_races", "sqlite"),
         ("lease_races", "postgresql"),
+        ("decision_races", "sqlite"),
+        ("decision_races", "postgresql"),
+        ("abandon_while_driven", "sqlite"),
+        ("abandon_while_driven", "postgresql"),
     }, done.stdout
     assert all(r["violations"] == "0" and int(r["trials"]) > 0 for r in campaigns), done.stdout
     controls = _rows(done.stdout, "plant")
-    assert {r["plant"] for r in controls} == {"no_write_ahead", "no_fencing", "no_dir_fsync"}
+    planted = {"no_write_ahead", "no_fencing", "no_dir_fsync", "stale_status", "unfenced_abandon"}
+    assert {r["plant"] for r in controls} == planted
     assert all(r["caught"] == "yes" for r in controls), done.stdout

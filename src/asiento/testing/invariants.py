@@ -371,7 +371,8 @@ def _op_checks(
     for line in models:
         if line["key"] in recorded:
             found.append(("model_once", f"model key {line['key']} requested again"))
-    uncertain = uncertain_steps(op.before, tools, op.started)
+    closed = "result" in op.before.get("final", {})  # abandoned with a step in flight
+    uncertain = set() if closed else uncertain_steps(op.before, tools, op.started)
     # With a commit that surfaced late, a step counts as uncertain only if it is in
     # both views, and an UncertainEffect is justified by either.
     seen = uncertain if late is None else uncertain_steps(late, tools, op.started)
