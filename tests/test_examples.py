@@ -72,12 +72,39 @@ FIGURES: dict[str, list[str]] = {
         r"pass 2\s+closed, exit 0\s+2\s+0\s+1\s+released\s+closed\s+m1\.t1 ok, m2\.t1 ok\n",
         r"cobrar saw the stop requested while it ran: True\n",
     ],
+    "11_decision_durante_replay": [
+        r"pass 1\s+4\s+0\s+suspended\s+9 steps: … · ModelStep · "
+        r"ToolStep\(awaiting_approval, require_approval\) · ApprovalStep",
+        r"A reads\s+suspended\s+the journal: 14 records, approval among them: False",
+        r"B\s+running\s+asiento approve: exit 0: approved run 'run-1' step 'm4\.t1' \(by ana\)",
+        r"A goes on\s+1\s+1\s+closed\s+3 steps: ToolStep\(ok, approved\) · ModelStep · FinalStep",
+        r"pass C\s+0\s+0\s+closed\s+1 step: FinalStep\(replayed=True\)",
+        r"approve again\s+closed\s+exit 1, records (\d+) → \1\n",
+        r"approve again said: Error: run 'run-1' is closed: a closed run cannot be approved",
+        r"payments in all: 1\n",
+    ],
+    "12_abandonar_detiene": [
+        r"payments started after asiento abandon returned: 0\n",
+        r"payments in all: [1-5] of 6 \(2 before abandon ran\)",
+        r"asiento abandon: exit 0: run 'run-1' is closed: abandoned by ana: se paga de más",
+        r"A ended: RunAbandoned: run 'run-1' was abandoned by ana: se paga de más while this "
+        r"session drove it",
+        r"status in the index: closed\n",
+        r"a worker afterwards: found work False, claimed 0, model calls and payments 0 ",
+    ],
 }
+README = EXAMPLES / "README.md"
 
 
 def test_every_property_has_a_script() -> None:
     """The glob finds every script FIGURES names (a renamed script is not silently skipped)."""
     assert {p.stem for p in SCRIPTS} >= set(FIGURES)
+
+
+def test_every_script_is_listed_in_the_readme() -> None:
+    """Each script has its paragraph in examples/propiedades/README.md."""
+    listed = set(re.findall(r"^- `(\d\d_\w+)\.py` — \*\*", README.read_text(), re.MULTILINE))
+    assert listed == {p.stem for p in SCRIPTS}
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.stem for p in SCRIPTS])
