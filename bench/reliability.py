@@ -77,31 +77,24 @@ class Tier:
     abandons: int  # runs abandoned while a pass drives them
 
 
+# fmt: off
 TIERS = {
     "smoke": Tier(
-        {"sqlite": 30, "postgresql": 30}, 1, 1, 60.0, 0, None, {"sqlite": 2, "postgresql": 2}, 2
+        kills={"sqlite": 30, "postgresql": 30}, races=1, restarts=1, max_seconds=60.0,
+        control_kills=0, hypothesis=None, decisions={"sqlite": 2, "postgresql": 2}, abandons=2,
     ),
     "ci": Tier(
-        {"sqlite": 1000, "postgresql": 1000},
-        10,
-        2,
-        600.0,
-        200,
-        "ci",
-        {"sqlite": 50, "postgresql": 200},
-        40,
+        kills={"sqlite": 1000, "postgresql": 1000}, races=10, restarts=2, max_seconds=600.0,
+        control_kills=200, hypothesis="ci", decisions={"sqlite": 25, "postgresql": 50},
+        abandons=20,
     ),
     "large": Tier(
-        {"sqlite": 20_000, "postgresql": 5_000},
-        50,
-        10,
-        7200.0,
-        200,
-        "large",
-        {"sqlite": 2_000, "postgresql": 1_000},
-        500,
+        kills={"sqlite": 20_000, "postgresql": 5_000}, races=50, restarts=10,
+        max_seconds=7200.0, control_kills=200, hypothesis="large",
+        decisions={"sqlite": 2_000, "postgresql": 1_000}, abandons=500,
     ),
 }
+# fmt: on
 
 
 class Stores:
