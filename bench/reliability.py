@@ -60,7 +60,7 @@ from asiento.testing import sample
 from asiento.testing.harness import CrashHarness
 from asiento.testing.postgres import start_local_postgres
 from asiento.testing.report import Report
-from asiento.testserver import InvoiceServer
+from asiento.testing.invoices import InvoiceServer
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from asiento import _cli_docs
+from asiento.cli import _docs as _cli_docs
 from asiento.cli import main
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
-REGENERATE = "python -m asiento._cli_docs > docs/cli.md"
+REGENERATE = "python -m asiento.cli._docs > docs/cli.md"
 
 
 def test_every_command_has_a_section_in_the_reference() -> None:

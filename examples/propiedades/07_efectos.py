@@ -30,7 +30,7 @@ from _medir import child, ending, report, reported, table, verdict
 from asiento import Agent, ModelResponse, Phase, Session, SqliteCheckpointer, ToolCall
 from asiento.effects import HttpEffect, Published
 from asiento.testing import ScriptedGateway
-from asiento.testserver import InvoiceServer
+from asiento.testing.invoices import InvoiceServer
 
 FACTURA = {"cliente": "ACME S.L.", "importe": 120000, "numero": "F-2026-0001"}
 

@@ -1,8 +1,9 @@
 """asiento: kill an LLM agent at any instant and resume it without repeating what happened."""
 
-from ._canonical import idem_key
-from .agent import Agent, model_key
+from ._canonical import idem_key, model_key
+from .agent import Agent
 from .context import StepContext, current_step
+from .decisions import abandon, approve, deny, resolve, unpark
 from .errors import (
     ApprovalError,
     AsientoError,
@@ -41,7 +42,6 @@ from .events import (
     StepEvent,
     ToolStep,
 )
-from .harness import abandon, approve, deny, resolve, unpark
 from .journal import Checkpointer, MemoryCheckpointer, SqliteCheckpointer
 from .journal.url import open_store
 from .lease import Holder

@@ -131,6 +131,11 @@ def idem_key(run_id: str, step_id: str, params: Any, *, n: int = 6) -> str:
     return f"{run_id}:{step_id}:{fingerprint(params)[:n]}"
 
 
+def model_key(run_id: str, step_id: str, request_fingerprint: str) -> str:
+    """The idempotency key of a model request: (run_id, step_id, body fingerprint)."""
+    return f"{run_id}:{step_id}:{request_fingerprint[:32]}"
+
+
 class FingerprintChain:
     """A running hash of a conversation: each step hashes only what was added.
 

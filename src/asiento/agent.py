@@ -16,7 +16,14 @@ from typing import Any
 from pydantic_core import to_jsonable_python
 
 from . import context, shutdown
-from ._canonical import FingerprintChain, canonical_json, fingerprint, idem_key, unstable_part
+from ._canonical import (
+    FingerprintChain,
+    canonical_json,
+    fingerprint,
+    idem_key,
+    model_key,
+    unstable_part,
+)
 from ._crash import crash_point
 from .context import StepContext
 from .effects.base import (
@@ -104,11 +111,6 @@ class Agent:
         if not isinstance(session, Session):
             raise UsageError("run() needs session=Session(run_id, gateway, store)")
         return _Pass(self, task, session).steps()
-
-
-def model_key(run_id: str, step_id: str, request_fingerprint: str) -> str:
-    """The idempotency key of a model request: (run_id, step_id, body fingerprint)."""
-    return f"{run_id}:{step_id}:{request_fingerprint[:32]}"
 
 
 def _is_tool_step(step_id: str) -> bool:

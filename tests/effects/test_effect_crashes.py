@@ -29,7 +29,7 @@ import pytest
 from asiento import Phase, RunStatus, SqliteCheckpointer, StepEvent, open_store, resolve
 from asiento.effects import EffectRecord, effect_records
 from asiento.testing import ENV_VAR
-from asiento.testserver import InvoiceServer
+from asiento.testing.invoices import InvoiceServer
 
 from .child import REPORT
 

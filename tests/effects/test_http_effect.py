@@ -35,7 +35,7 @@ from asiento import (
 )
 from asiento.effects import EffectRejected, IdempotencyKeyConflict
 from asiento.testing import ScriptedGateway
-from asiento.testserver import InvoiceServer
+from asiento.testing.invoices import InvoiceServer
 
 from .child import INVOICE, PublishInvoice, invoice_effect
 

@@ -33,7 +33,7 @@ from asiento.effects import (
     reconcile,
 )
 from asiento.testing import ScriptedGateway
-from asiento.testserver import InvoiceServer
+from asiento.testing.invoices import InvoiceServer
 
 from .child import INVOICE, PublishInvoice, invoice_effect
 

@@ -15,7 +15,7 @@ import pytest
 
 from asiento.testing import CrashHarness, sample
 from asiento.testing.pytest_plugin import crash_harness  # noqa: F401
-from asiento.testserver import InvoiceServer
+from asiento.testing.invoices import InvoiceServer
 
 TESTS = str(Path(__file__).resolve().parent.parent)
 SAMPLE = "asiento.testing.sample:factory"

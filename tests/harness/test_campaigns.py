@@ -13,7 +13,7 @@ import pytest
 
 from asiento.testing import CRASH_POINTS, CrashHarness
 from asiento.testing.invariants import INVARIANTS
-from asiento.testserver import InvoiceServer
+from asiento.testing.invoices import InvoiceServer
 from journal import pg_server
 
 from . import app

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from asiento.testing import CrashHarness
 from asiento.testing.invariants import INVARIANTS
-from asiento.testserver import InvoiceServer
+from asiento.testing.invoices import InvoiceServer
 
 SampleHarness = Callable[..., CrashHarness]
 TRIALS = 200  # of each kind of decision: the "at least 200 trials each"

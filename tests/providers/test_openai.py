@@ -344,7 +344,7 @@ async def test_http_effect_publishes_under_a_run_id_outside_ascii() -> None:
     """
     from asiento import idem_key
     from asiento.effects import HttpEffect
-    from asiento.testserver import InvoiceServer
+    from asiento.testing.invoices import InvoiceServer
 
     class PublishInvoice(HttpEffect):
         def prepare(self, number: str) -> dict[str, Any]:

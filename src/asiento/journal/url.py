@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import parse_qsl
 
-from ..errors import UsageError
+from ..errors import JournalReadOnly, UsageError
 from .base import Checkpointer
 from .sqlite import Durability, SqliteCheckpointer
 
@@ -93,6 +93,38 @@ async def open_address(address: StoreAddress) -> Checkpointer:
     if address.path is None:
         return await _postgres(address.given)
     return SqliteCheckpointer(address.path, durability=address.durability, timeout=address.timeout)
+
+
+async def open_existing(url: str | os.PathLike[str]) -> Checkpointer:
+    """Open a journal that already exists: a missing or empty SQLite file is an error, never
+    made a journal. One this process cannot write (a read-only mount) is opened read-only:
+    everything can be read, and a write says why it cannot be made."""
+    address = address_of(url)
+    path = address.path
+    if path is not None:
+        _check_journal_file(path)
+    try:
+        return await open_address(address)
+    except JournalReadOnly:
+        if path is None or not path.is_file():
+            raise
+        return SqliteCheckpointer(path, read_only=True, timeout=address.timeout)
+
+
+def _check_journal_file(path: Path) -> None:
+    if not path.is_file():
+        what = "is a directory, not a journal" if path.is_dir() else "(nothing was created)"
+        raise UsageError(f"no journal at {path} {what}; pass --store PATH_OR_URL")
+    if path.stat().st_size == 0 and not _has_wal(path):
+        raise UsageError(
+            f"{path} is an empty file, not a journal (it was left as it is); "
+            "pass --store PATH_OR_URL"
+        )
+
+
+def _has_wal(path: Path) -> bool:
+    wal = Path(f"{path}-wal")
+    return wal.is_file() and wal.stat().st_size > 0
 
 
 def shown(text: str) -> str:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import harness as people
+from .. import decisions as people
 from ..agent import Agent
 from ..effects.base import key_margin_of
 from ..errors import AsientoError, LeaseLost, RunAbandoned, RunLocked, UncertainEffect, UsageError

@@ -94,7 +94,7 @@ def _stale_status(postgres: bool) -> None:
 
 
 def _unfenced_abandon(postgres: bool) -> None:
-    from .. import harness
+    from .. import decisions
     from ..events import FINAL_STEP_ID, Phase, RunStatus, StepEvent
 
     async def abandon(store: Any, run_id: str, *, by: str, reason: str) -> StepEvent:
@@ -106,5 +106,5 @@ def _unfenced_abandon(postgres: bool) -> None:
 
     from .. import cli
 
-    harness.abandon = abandon
+    decisions.abandon = abandon
     cli.abandon_run = abandon  # type: ignore[attr-defined]  # bound when cli was imported

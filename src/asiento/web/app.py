@@ -30,12 +30,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .. import _cli_format as fmt
+from .. import views as fmt
+from ..decisions import approve, deny, resolve
 from ..effects.records import effect_records_of
 from ..errors import ApprovalError, AsientoError, UsageError
 from ..events import Phase, RunInfo, RunStatus
-from ..harness import approve, deny, resolve
 from ..journal.base import Checkpointer
+from ..journal.url import open_existing, shown
 from .security import (
     LOOPBACK,
     SESSION_COOKIE,
@@ -110,7 +111,7 @@ class Pages:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        self._store = await fmt.open_existing(self.store_url)
+        self._store = await open_existing(self.store_url)
         try:
             yield
         finally:
@@ -122,7 +123,7 @@ class Pages:
         access = self.guard.access(request)
         readable = self.guard.may_read(request, access)
         page = self.env.get_template(name).render(
-            store=fmt.shown_url(self.store_url) if readable else "",
+            store=shown(self.store_url) if readable else "",
             operator=access.operator,
             csrf=self.guard.csrf(access.operator),
             open_reading=self.guard.open_reading,
@@ -472,9 +473,9 @@ def serve(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(128)  # connectable from the moment the URL is printed
-    shown = f"[{host}]" if ":" in host else host
-    url = f"http://{shown}:{sock.getsockname()[1]}/"
-    print(f"asiento serve: {url} (journal {fmt.shown_url(store_url)})", file=sys.stderr, flush=True)
+    bound = f"[{host}]" if ":" in host else host
+    url = f"http://{bound}:{sock.getsockname()[1]}/"
+    print(f"asiento serve: {url} (journal {shown(store_url)})", file=sys.stderr, flush=True)
     does = "to decide" if open_reading else "to read and decide"
     print(f"token: {token_shown or token} (log in at {url}login {does})", file=sys.stderr)
     print(f"mode: {OPEN_MODE if open_reading else TOKEN_MODE}", file=sys.stderr, flush=True)

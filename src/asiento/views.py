@@ -1,83 +1,33 @@
-"""What a person sees of a journal, and the checks before a person writes to it.
+"""What a person sees of a journal: what waits, the timeline, one-line summaries, JSON.
 
-Shared by the ``asiento`` command and the web page (``asiento.web``), so both
-show the same timeline, the same steps waiting for a person and the same
-errors. Everything here reads through the ``Checkpointer`` protocol; the
-writes themselves are ``asiento.approve`` / ``deny`` / ``resolve``.
+The ``asiento`` command and the web page (``asiento.web``) both show runs
+through these views, so they show the same timeline, the same steps waiting
+for a person and the same errors; the command renders them with rich
+(``asiento.cli._render``), the page with its templates. Everything here reads
+through the ``Checkpointer`` protocol; the writes themselves are
+``asiento.approve`` / ``deny`` / ``resolve``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
-import os
-import shlex
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-from rich.console import Console, RenderableType
-from rich.table import Table
-from rich.text import Text
-
+from .decisions import refuse_closed
 from .effects.records import EffectRecord, effect_records_of
-from .errors import ApprovalError, JournalReadOnly, UsageError
+from .errors import ApprovalError, UsageError
 from .events import FINAL_STEP_ID, Decision, Phase, RunInfo, RunStatus, StepEvent
-from .harness import refuse_closed
 from .journal.base import Checkpointer
-from .journal.sqlite import SqliteCheckpointer
-from .journal.url import address_of, open_address, shown
 from .replay import StepState, index, step_state
 
-DEFAULT_STORE = "runs.db"
 SUMMARY_WIDTH = 90
 
 Journal = dict[str, dict[Phase, StepEvent]]
-
-
-# -- opening a journal that exists ---------------------------------------------------
-
-
-def shown_url(url: str) -> str:
-    """A store name fit to print: its passwords replaced by ``***`` (``journal.url.shown``)."""
-    return shown(url)
-
-
-async def open_existing(url: str | os.PathLike[str]) -> Checkpointer:
-    """Open a journal that already exists: a missing or empty SQLite file is an error, never
-    made a journal. One this process cannot write (a read-only mount) is opened read-only:
-    everything can be read, and a write says why it cannot be made."""
-    address = address_of(url)
-    path = address.path
-    if path is not None:
-        _check_journal_file(path)
-    try:
-        return await open_address(address)
-    except JournalReadOnly:
-        if path is None or not path.is_file():
-            raise
-        return SqliteCheckpointer(path, read_only=True, timeout=address.timeout)
-
-
-def _check_journal_file(path: Path) -> None:
-    if not path.is_file():
-        what = "is a directory, not a journal" if path.is_dir() else "(nothing was created)"
-        raise UsageError(f"no journal at {path} {what}; pass --store PATH_OR_URL")
-    if path.stat().st_size == 0 and not _has_wal(path):
-        raise UsageError(
-            f"{path} is an empty file, not a journal (it was left as it is); "
-            "pass --store PATH_OR_URL"
-        )
-
-
-def _has_wal(path: Path) -> bool:
-    wal = Path(f"{path}-wal")
-    return wal.is_file() and wal.stat().st_size > 0
 
 
 # -- one run --------------------------------------------------------------------------
@@ -223,24 +173,6 @@ def call_lines(waiting: Waiting) -> str:
     return "\n".join(lines)
 
 
-def load_target(target: str) -> object:
-    """``module:attr``, imported with the current directory first on the path."""
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
-        raise UsageError("takes MODULE:ATTR (e.g. myagents:app)")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"cannot import {module_name!r}: {exc}") from None
-    try:
-        found: object = getattr(module, attr)
-    except AttributeError:
-        raise UsageError(f"module {module_name!r} has no {attr!r}") from None
-    return found
-
-
 # -- one line per record ----------------------------------------------------------------
 
 
@@ -278,7 +210,7 @@ def _result_summary(payload: Mapping[str, Any]) -> str:
     status = payload.get("status")
     remote = f" remote_id={payload['remote_id']}" if payload.get("remote_id") else ""
     if status == "ok":
-        return f"ok: {_json(payload.get('value'))}{remote}"
+        return f"ok: {inline_json(payload.get('value'))}{remote}"
     if status == "denied":
         return f"denied by {payload.get('by')}: {payload.get('reason')}"
     return f"{status}: {payload.get('error')}"
@@ -294,7 +226,7 @@ def _resolution_summary(payload: Mapping[str, Any]) -> str:
 
 
 def _call(name: Any, args: Any) -> str:
-    return f"{name}({_json(args)})"
+    return f"{name}({inline_json(args)})"
 
 
 def _key(payload: Mapping[str, Any]) -> str:
@@ -305,7 +237,8 @@ def _text(value: Any) -> str:
     return json.dumps(value if isinstance(value, str) else "", ensure_ascii=False)
 
 
-def _json(value: Any) -> str:
+def inline_json(value: Any) -> str:
+    """JSON on one line, as compact as it gets."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -389,165 +322,3 @@ def show_json(info: RunInfo, events: Sequence[StepEvent]) -> dict[str, Any]:
 
 
 # -- tables for the terminal --------------------------------------------------------------
-
-STATUS_STYLE = {
-    "running": "cyan",
-    "suspended": "yellow",
-    "uncertain": "bold red",
-    "closed": "green",
-    "parked": "magenta",
-}
-
-
-def status_text(status: RunStatus | str) -> Text:
-    value = RunStatus(status).value
-    return Text(value, style=STATUS_STYLE.get(value, ""))
-
-
-RUN_COLUMNS: tuple[tuple[str, Callable[[RunInfo], RenderableType], bool], ...] = (
-    # heading, cell, shown only when some run was priced
-    ("status", lambda i: status_text(i.status), False),
-    ("steps", lambda i: str(i.steps), False),
-    ("last activity", lambda i: recent(i.updated_at), False),
-    ("lease", lease_text, False),
-    ("calls", lambda i: str(i.model_calls), False),
-    ("tokens in/out", lambda i: f"{i.input_tokens}/{i.output_tokens}", False),
-    ("cost", lambda i: money(i.cost), True),
-    ("replayed", lambda i: str(i.replayed_calls), False),
-    ("saved in/out", lambda i: f"{i.saved_input_tokens}/{i.saved_output_tokens}", False),
-    ("saved cost", lambda i: money(i.saved_cost), True),
-)
-
-
-def runs_table(infos: Sequence[RunInfo], *, title: str, width: int | None = None) -> Table:
-    """``asiento runs``: one row per run (the cost columns once some run was priced).
-
-    In a terminal narrower than the table, the columns a person needs least (saved,
-    replayed, cost, tokens) are left out, from the last, rather than every cell
-    being cut short; ``--json`` always has them all.
-    """
-    priced = any(info.cost or info.saved_cost for info in infos)
-    columns = [(h, cell) for h, cell, needs_price in RUN_COLUMNS if priced or not needs_price]
-    table = _runs_table(infos, title, columns)
-    while width is not None and _width(table) > width and columns[-1][0] not in _KEPT:
-        columns.pop()
-        table = _runs_table(infos, title, columns)
-    return table
-
-
-# The columns ``runs_table`` keeps however narrow the terminal.
-_KEPT = frozenset({"status", "steps", "last activity", "lease", "calls"})
-
-
-def _runs_table(
-    infos: Sequence[RunInfo], title: str, columns: Sequence[tuple[str, Callable[[RunInfo], Any]]]
-) -> Table:
-    table = Table(title=title)
-    longest = max((len(info.run_id) for info in infos), default=3)
-    table.add_column("run", overflow="fold", min_width=min(longest, 16))
-    for heading, _ in columns:  # a long lease holder folds; statuses, times, figures stay whole
-        whole = heading != "lease"
-        table.add_column(heading.replace(" ", "\n", 1), no_wrap=whole, min_width=_MIN.get(heading))
-    for info in infos:
-        table.add_row(info.run_id, *(cell(info) for _, cell in columns))
-    return table
-
-
-# Widths below which a column's cells would be cut: the longest status, a time.
-_MIN = {"status": len("suspended"), "last activity": len("00:00:00"), "lease": 8}
-
-
-def _width(table: Table) -> int:
-    """The width ``table`` takes when nothing in it is cut."""
-    measuring = Console(width=10_000)
-    return measuring.measure(table).maximum
-
-
-def run_view(info: RunInfo, events: Sequence[StepEvent], *, hint: str) -> list[RenderableType]:
-    """``asiento show``: the header, the timeline, the effects and what the run awaits."""
-    parts: list[RenderableType] = [_header(info)]
-    parts.append(_timeline(info, events))
-    effects = effect_records_of(events)
-    if effects:
-        parts.append(_effects(effects))
-    parts.extend(_awaited(waiting_of(events, info.status), hint))
-    return parts
-
-
-def _header(info: RunInfo) -> Text:
-    text = Text(f"run {info.run_id!r} · ")
-    text.append_text(status_text(info.status))
-    text.append(f" · {info.steps} steps · {info.events} records")
-    text.append(f" · last activity {when(info.updated_at)}\n")
-    text.append(f"lease: {lease_text(info) or 'free'} (fence {info.fence})\n")
-    cost = f", cost {money(info.cost)}" if info.cost else ""
-    cached = f", {info.cached_input_tokens:,} in from cache" if info.cached_input_tokens else ""
-    cached += f", {info.cache_write_tokens:,} written to cache" if info.cache_write_tokens else ""
-    saved = f", {money(info.saved_cost)}" if info.saved_cost else ""
-    paid = tokens(info.input_tokens, info.output_tokens)
-    text.append(
-        f"model calls {info.model_calls} ({paid}{cached}{cost});"
-        f" replayed {info.replayed_calls} "
-        f"(saved {tokens(info.saved_input_tokens, info.saved_output_tokens)}{saved})"
-    )
-    if info.task is not None:
-        text.append(f"\ntask {info.task!r} for agent {info.agent!r}, claimed {info.attempts}×")
-    if info.reason:
-        text.append(f"\nnote: {info.reason}")
-    return text
-
-
-def _timeline(info: RunInfo, events: Sequence[StepEvent]) -> Table:
-    table = Table(title=f"timeline of {info.run_id!r}", title_justify="left")
-    for heading in ("step", "phase", "decision", "at"):
-        table.add_column(heading, no_wrap=True)
-    table.add_column("what", overflow="fold")
-    for step_id, records in timeline(events):
-        for n, event in enumerate(records):
-            table.add_row(
-                step_id if n == 0 else "",
-                event.phase.value,
-                "" if event.decision is None else event.decision.value,
-                when(event.created_at)[11:],
-                clip(summary(event)),
-            )
-    if not events:
-        table.add_row("", "", "", "", "no records yet: the run is queued for a worker")
-    return table
-
-
-def _effects(records: Sequence[EffectRecord]) -> Table:
-    table = Table(title="effects", title_justify="left")
-    for heading in ("step", "idem_key", "status", "remote_id", "attempts", "updated"):
-        table.add_column(heading, overflow="fold")
-    for r in records:
-        remote = r.remote_id or ""
-        table.add_row(r.step_id, r.idem_key, r.status, remote, str(r.attempts), when(r.updated_at))
-    return table
-
-
-def _awaited(waiting: Sequence[Waiting], hint: str) -> list[RenderableType]:
-    if not waiting:
-        return [Text("awaiting: nothing from a person")]
-    lines: list[RenderableType] = []
-    for w in waiting:
-        run = shlex.quote(w.run_id)
-        call = f"{w.tool}({_json(w.args)})"
-        if w.kind == "approval":
-            lines.append(
-                Text(f"awaiting approval: {w.step_id} {call}, fingerprint {w.fingerprint}")
-            )
-            lines.append(Text(f"  asiento approve {run} {w.step_id} --by NAME{hint}"))
-            lines.append(Text(f"  asiento deny {run} {w.step_id} --by NAME --reason WHY{hint}"))
-        elif w.kind == "resolution":
-            key = f", idem_key {w.idem_key}" if w.idem_key else ""
-            lines.append(Text(f"awaiting a person: {w.step_id} {call} is uncertain{key}"))
-            lines.append(
-                Text(
-                    f"  asiento resolve {run} {w.step_id} --happened [--remote-id ID] "
-                    f"| --not-happened --by NAME{hint}"
-                )
-            )
-        else:
-            lines.append(Text(f"in flight: {w.step_id} {call} was submitted at {when(w.since)}"))
-    return lines

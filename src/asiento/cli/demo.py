@@ -29,14 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._crash import ENV_VAR
-from .agent import Agent
-from .events import FinalStep
-from .journal import SqliteCheckpointer
-from .model import ModelRequest, ModelResponse, ToolCall
-from .session import Session
-from .testing import ScriptedGateway
-from .tools import tool
+from .._crash import ENV_VAR
+from ..agent import Agent
+from ..events import FinalStep
+from ..journal import SqliteCheckpointer
+from ..model import ModelRequest, ModelResponse, ToolCall
+from ..session import Session
+from ..testing import ScriptedGateway
+from ..tools import tool
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import os
 import secrets
 import shlex
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,25 +28,28 @@ import click
 from click.core import ParameterSource
 from rich.console import Console
 
-from . import _cli_format as fmt
-from . import shutdown
-from .errors import AsientoError, UsageError
-from .events import RunInfo, RunStatus, StepEvent
-from .harness import abandon as abandon_run
-from .harness import approve as approve_step
-from .harness import deny as deny_step
-from .harness import resolve as resolve_step
-from .harness import unpark as unpark_run
-from .journal.base import Checkpointer
+from .. import shutdown, views
+from ..decisions import abandon as abandon_run
+from ..decisions import approve as approve_step
+from ..decisions import deny as deny_step
+from ..decisions import resolve as resolve_step
+from ..decisions import unpark as unpark_run
+from ..errors import AsientoError, UsageError
+from ..events import RunInfo, RunStatus, StepEvent
+from ..journal.base import Checkpointer
+from ..journal.url import open_existing, shown
+from . import _render
 
 T = TypeVar("T")
+
+DEFAULT_STORE = "runs.db"
 
 TOKEN_ENV = "ASIENTO_WEB_TOKEN"
 MIN_TOKEN = 16
 
 store_option = click.option(
     "--store",
-    default=fmt.DEFAULT_STORE,
+    default=DEFAULT_STORE,
     show_default=True,
     envvar="ASIENTO_STORE",
     show_envvar=True,
@@ -69,7 +74,7 @@ def with_store(url: str, job: Callable[[Checkpointer], Awaitable[T]]) -> T:
     """Open an existing journal, run ``job`` on it, close it; asiento errors become one line."""
 
     async def go() -> T:
-        store = await fmt.open_existing(url)
+        store = await open_existing(url)
         try:
             return await job(store)
         finally:
@@ -87,6 +92,24 @@ def console() -> Console:
 
 def print_json(data: Any) -> None:
     click.echo(json.dumps(data, ensure_ascii=False, indent=2))
+
+
+def load_target(target: str) -> object:
+    """``module:attr``, imported with the current directory first on the path."""
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError("takes MODULE:ATTR (e.g. myagents:app)")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"cannot import {module_name!r}: {exc}") from None
+    try:
+        found: object = getattr(module, attr)
+    except AttributeError:
+        raise UsageError(f"module {module_name!r} has no {attr!r}") from None
+    return found
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -162,10 +185,10 @@ def runs(store: str, statuses: tuple[str, ...], as_json: bool) -> None:
 
     infos = with_store(store, job)
     if as_json:
-        print_json([fmt.run_json(info) for info in infos])
+        print_json([views.run_json(info) for info in infos])
         return
     out = console()
-    out.print(fmt.runs_table(infos, title=fmt.shown_url(store), width=out.width))
+    out.print(_render.runs_table(infos, title=shown(store), width=out.width))
 
 
 @main.command()
@@ -181,15 +204,15 @@ def show(run_id: str, store: str, as_json: bool) -> None:
     """
 
     async def job(journal: Checkpointer) -> tuple[RunInfo, list[StepEvent]]:
-        info = await fmt.find_run(journal, run_id)
+        info = await views.find_run(journal, run_id)
         return info, await journal.load(run_id)
 
     info, events = with_store(store, job)
     if as_json:
-        print_json(fmt.show_json(info, events))
+        print_json(views.show_json(info, events))
         return
     out = console()
-    for part in fmt.run_view(info, events, hint=_hint_store(store)):
+    for part in _render.run_view(info, events, hint=_hint_store(store)):
         out.print(part)
 
 
@@ -200,9 +223,9 @@ def _hint_store(store: str) -> str:
     $ASIENTO_STORE (which may be how a password stays off the command line).
     """
     source = click.get_current_context().get_parameter_source("store")
-    if store == fmt.DEFAULT_STORE or source == ParameterSource.ENVIRONMENT:
+    if store == DEFAULT_STORE or source == ParameterSource.ENVIRONMENT:
         return ""
-    return f" --store {shlex.quote(fmt.shown_url(store))}"
+    return f" --store {shlex.quote(shown(store))}"
 
 
 # -- deciding ------------------------------------------------------------------------------
@@ -228,15 +251,15 @@ def approve(
     already.
     """
 
-    async def job(journal: Checkpointer) -> fmt.Waiting:
-        waiting = await fmt.awaiting_decision(journal, run_id, step_id)
+    async def job(journal: Checkpointer) -> views.Waiting:
+        waiting = await views.awaiting_decision(journal, run_id, step_id)
         fp = fingerprint if fingerprint is not None else waiting.fingerprint
         await approve_step(journal, run_id, step_id, by=by, reason=reason, fingerprint=fp)
         return waiting
 
     waiting = with_store(store, job)
     click.echo(f"approved run {run_id!r} step {step_id!r} (by {by}); these exact arguments:")
-    click.echo(fmt.call_lines(waiting))
+    click.echo(views.call_lines(waiting))
     click.echo("Resume the run to go on (a worker picks up a submitted run by itself).")
 
 
@@ -252,15 +275,15 @@ def deny(run_id: str, step_id: str, by: str, reason: str, store: str) -> None:
     Refused when the step is not awaiting a decision or was decided already.
     """
 
-    async def job(journal: Checkpointer) -> fmt.Waiting:
-        waiting = await fmt.awaiting_decision(journal, run_id, step_id)
+    async def job(journal: Checkpointer) -> views.Waiting:
+        waiting = await views.awaiting_decision(journal, run_id, step_id)
         fp = waiting.fingerprint
         await deny_step(journal, run_id, step_id, by=by, reason=reason, fingerprint=fp)
         return waiting
 
     waiting = with_store(store, job)
     click.echo(f"denied run {run_id!r} step {step_id!r} (by {by}: {reason}); it asked for:")
-    click.echo(fmt.call_lines(waiting))
+    click.echo(views.call_lines(waiting))
     click.echo("Resume the run to go on: the model is told about the denial.")
 
 
@@ -295,8 +318,8 @@ def resolve(
     if remote_id is not None and not happened:
         raise CommandError("--remote-id names an effect that happened; drop it or say --happened")
 
-    async def job(journal: Checkpointer) -> fmt.Waiting:
-        waiting = await fmt.awaiting_resolution(journal, run_id, step_id)
+    async def job(journal: Checkpointer) -> views.Waiting:
+        waiting = await views.awaiting_resolution(journal, run_id, step_id)
         await resolve_step(
             journal, run_id, step_id, happened=happened, by=by, remote_id=remote_id, reason=reason
         )
@@ -305,7 +328,7 @@ def resolve(
     waiting = with_store(store, job)
     found = "happened" if happened else "did not happen (the next pass runs it once more)"
     click.echo(f"recorded: run {run_id!r} step {step_id!r} {found} (by {by}); the effect:")
-    click.echo(fmt.call_lines(waiting))
+    click.echo(views.call_lines(waiting))
 
 
 @main.command()
@@ -322,9 +345,9 @@ def abandon(run_id: str, by: str, reason: str, store: str) -> None:
     may or may not have happened.
     """
 
-    async def job(journal: Checkpointer) -> list[fmt.Waiting]:
+    async def job(journal: Checkpointer) -> list[views.Waiting]:
         await abandon_run(journal, run_id, by=by, reason=reason)
-        waiting = fmt.waiting_of(await journal.load(run_id), RunStatus.CLOSED)
+        waiting = views.waiting_of(await journal.load(run_id), RunStatus.CLOSED)
         return [w for w in waiting if w.kind != "approval"]
 
     in_flight = with_store(store, job)
@@ -389,8 +412,8 @@ def serve(
     (never writing) to this machine only.
     """
     try:
-        from .web import check_open_reading
-        from .web import serve as serve_web
+        from ..web import check_open_reading
+        from ..web import serve as serve_web
     except ImportError as exc:
         raise CommandError(
             f"asiento serve needs the web extra: pip install 'asiento[web]' ({exc})"
@@ -434,10 +457,10 @@ def worker(store: str, target: str, poll: float, until_idle: bool) -> None:
     SIGTERM or SIGINT lets the step in flight finish, then the worker stops with
     exit status 75 and the run stays resumable by any worker.
     """
-    from .worker import App, Worker
+    from ..worker import App, Worker
 
     try:
-        app = fmt.load_target(target)
+        app = load_target(target)
     except UsageError as exc:
         raise CommandError(f"--app {target}: {exc}") from None
     if not isinstance(app, App):
@@ -449,7 +472,7 @@ def worker(store: str, target: str, poll: float, until_idle: bool) -> None:
 
     async def job(journal: Checkpointer) -> Worker:
         agents = ", ".join(sorted(app.agents))
-        where = fmt.shown_url(store)
+        where = shown(store)
         click.echo(f"asiento worker: pid {os.getpid()} on {where}; agents: {agents}", err=True)
         running = Worker(journal, app, poll=poll)
         with contextlib.suppress(shutdown.ShutdownRequested):  # the run stays resumable
@@ -534,7 +557,7 @@ def gateway(
     (pip install 'asiento[gateway]').
     """
     try:
-        from .proxy import serve as serve_proxy
+        from ..proxy import serve as serve_proxy
     except ImportError as exc:
         raise CommandError(
             f"asiento gateway needs the gateway extra: pip install 'asiento[gateway]' ({exc})"
