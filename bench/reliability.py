@@ -58,9 +58,9 @@ import hostile
 
 from asiento.testing import sample
 from asiento.testing.harness import CrashHarness
+from asiento.testing.invoices import InvoiceServer
 from asiento.testing.postgres import start_local_postgres
 from asiento.testing.report import Report
-from asiento.testing.invoices import InvoiceServer
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ from .context import StepContext, current_step
 from .decisions import abandon, approve, deny, resolve, unpark
 from .errors import (
     ApprovalError,
+    ApprovalMismatch,
+    ApprovalRefused,
     AsientoError,
     DuplicateRecord,
     JournalBusy,
@@ -69,6 +71,8 @@ __all__ = [
     "Agent",
     "App",
     "ApprovalError",
+    "ApprovalMismatch",
+    "ApprovalRefused",
     "ApprovalStep",
     "AsientoError",
     "Checkpointer",

@@ -14,7 +14,7 @@ from typing import Any
 from . import lease as lease_state
 from ._crash import crash_point
 from .errors import (
-    ApprovalError,
+    ApprovalRefused,
     AsientoError,
     DuplicateRecord,
     LeaseLost,
@@ -87,13 +87,13 @@ async def _decide(
     intent = records.get(Phase.INTENT)
     where = f"run {run_id!r} step {step_id!r}"
     if intent is None or intent.decision != Decision.REQUIRE_APPROVAL:
-        raise ApprovalError(f"{where} is not awaiting approval")
+        raise ApprovalRefused(f"{where} is not awaiting approval")
     if Phase.APPROVAL in records:
-        raise ApprovalError(f"{where} was already decided: {records[Phase.APPROVAL].decision}")
+        raise ApprovalRefused(f"{where} was already decided: {records[Phase.APPROVAL].decision}")
     await refuse_closed(store, run_id, "approved or denied")
     frozen = intent.payload.get("fp")
     if fingerprint is not None and fingerprint != frozen:
-        raise ApprovalError(
+        raise ApprovalRefused(
             f"{where}: you were shown arguments {fingerprint!r} but the step froze {frozen!r}; "
             "nothing was recorded"
         )
@@ -108,7 +108,7 @@ async def _decide(
     try:  # no lease needed: a pass replaying meanwhile does not overwrite the decision
         await store.append(event, status=RunStatus.RUNNING)
     except DuplicateRecord:
-        raise ApprovalError(
+        raise ApprovalRefused(
             f"{where} was decided by someone else first; nothing recorded"
         ) from None
     except RunClosed:

@@ -2,7 +2,9 @@
 
     AsientoError
     ├── UsageError              the caller misused the API (bad argument, unknown run or step)
-    │   └── RunClosed           the run is closed: it takes no decision and no new record
+    │   ├── RunClosed           the run is closed: it takes no decision and no new record
+    │   └── ApprovalRefused     a decision that does not apply (not awaited, decided, other
+    │                           arguments shown); also an ApprovalError
     ├── JournalError            the journal cannot be trusted or written as asked
     │   ├── DuplicateRecord     (run_id, step_id, phase) is already recorded: a rival writer won
     │   ├── NotAJournal         the file is not an asiento journal (or not SQLite at all)
@@ -16,11 +18,29 @@
     │   ├── RunLocked           another session holds the run's lease
     │   ├── LeaseLost           this session's lease expired or was taken over: it writes nothing
     │   │   └── RunAbandoned    a person abandoned the run while this session drove it
+    │   ├── ApprovalMismatch    the journal's approval is for other arguments than the step
+    │   │                       froze: it approves nothing; also an ApprovalError
     │   └── ReplayDivergence    the resumed run would send a different request than recorded
-    └── RunError                the run cannot go on without a person
-        ├── UncertainEffect     an effect was submitted and nobody knows whether it happened
-        ├── ApprovalError       an approval does not apply (not awaited, decided, mismatched)
-        └── MaxTurnsExceeded    the model kept asking for tools past the agent's bound
+    ├── RunError                the run cannot go on without a person
+    │   ├── UncertainEffect     an effect was submitted and nobody knows whether it happened
+    │   ├── ApprovalError       an approval does not apply: ApprovalRefused or ApprovalMismatch
+    │   ├── MaxTurnsExceeded    the model kept asking for tools past the agent's bound
+    │   ├── IdempotencyKeyConflict  the destination saw the key with other parameters (effects)
+    │   ├── ShutdownRequested   a shutdown was asked for: the run stopped between steps (shutdown)
+    │   └── ModelCallFailed     the model could not be asked or answered badly (gateways)
+    │       ├── ModelRequestRejected  the provider refused the request: the caller's to fix
+    │       ├── ModelUnavailable      the provider is down or overloaded: retry later
+    │       └── ModelResponseInvalid  the answer cannot be recorded: the model's fault
+    ├── EffectRejected          the destination refused an effect: it certainly did not happen
+    │                           (effects; recorded as the step's failed outcome)
+    ├── ToolArgumentsError      arguments that do not fit a tool (tools; also a ValueError,
+    │                           recorded as the step's failed outcome)
+    └── ProxyError              the gateway proxy cannot start or serve (proxy)
+
+    Of ``asiento.testing``: ``CampaignFailed`` (violations found; also an
+    AssertionError), ``HarnessError`` (the crash harness itself could not work),
+    ``TornLedger`` (a ledger ends in half a line), ``PostgresUnavailable`` (no
+    throwaway PostgreSQL could be started; also a RuntimeError).
 
 Messages name the run, the step and what to do about it.
 """
@@ -175,7 +195,22 @@ class UncertainEffect(RunError):
 
 
 class ApprovalError(RunError):
-    """An approval or denial does not apply to the step it names."""
+    """An approval or denial does not apply to the step it names (one of the two below)."""
+
+
+class ApprovalRefused(ApprovalError, UsageError):
+    """A person's decision was refused, and nothing was recorded: the caller's to fix.
+
+    The step is not awaiting a decision, was decided already, or the arguments the
+    person was shown are not the ones the step froze.
+    """
+
+
+class ApprovalMismatch(ApprovalError, JournalError):
+    """The journal holds an approval given for other arguments than the step froze.
+
+    It approves nothing: the step waits for a decision on its own arguments.
+    """
 
 
 class MaxTurnsExceeded(RunError):

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from .errors import ApprovalError, JournalCorrupt
+from .errors import ApprovalMismatch, JournalCorrupt
 from .events import Decision, Phase, StepEvent
 
 Records = Mapping[Phase, StepEvent]
@@ -75,7 +75,7 @@ def check_approval(intent: StepEvent, approval: StepEvent) -> None:
     """An approval approves exactly the frozen arguments it was shown, or nothing."""
     if approval.payload.get("fp") != intent.payload.get("fp"):
         shown, frozen = approval.payload.get("fp"), intent.payload.get("fp")
-        raise ApprovalError(
+        raise ApprovalMismatch(
             f"run {intent.run_id!r} step {intent.step_id!r}: the recorded approval was given for "
             f"arguments {shown!r}, but the step froze {frozen!r}; it approves nothing"
         )

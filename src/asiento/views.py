@@ -20,7 +20,7 @@ from typing import Any
 
 from .decisions import refuse_closed
 from .effects.records import EffectRecord, effect_records_of
-from .errors import ApprovalError, UsageError
+from .errors import ApprovalRefused, UsageError
 from .events import FINAL_STEP_ID, Decision, Phase, RunInfo, RunStatus, StepEvent
 from .journal.base import Checkpointer
 from .replay import StepState, index, step_state
@@ -130,11 +130,11 @@ async def awaiting_decision(store: Checkpointer, run_id: str, step_id: str) -> W
     await refuse_closed(store, run_id, "approved or denied")
     decided = records.get(Phase.APPROVAL)
     if decided is not None:
-        raise ApprovalError(f"{where} was already {decided_by(decided)}; nothing was recorded")
+        raise ApprovalRefused(f"{where} was already {decided_by(decided)}; nothing was recorded")
     for waiting in waiting_of(await store.load(run_id), info.status):
         if waiting.step_id == step_id and waiting.kind == "approval":
             return waiting
-    raise ApprovalError(f"{where} is not awaiting approval")
+    raise ApprovalRefused(f"{where} is not awaiting approval")
 
 
 async def awaiting_resolution(store: Checkpointer, run_id: str, step_id: str) -> Waiting:

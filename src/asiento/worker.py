@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from . import shutdown
 from .agent import Agent
 from .errors import LeaseLost, RunAbandoned, RunClosed, UncertainEffect, UsageError
-from .events import Claim, RunStatus
+from .events import ApprovalStep, Claim, FinalStep, RunStatus
 from .journal.base import Checkpointer
 from .lease import Holder
 from .model import Gateway
@@ -127,37 +127,44 @@ class Worker:
             lease=claim.lease,
         )
         try:
-            status = await self._pass(agent, claim.task, session)
+            self._count(await self._pass(agent, claim.task, session))
         except shutdown.ShutdownRequested:
             raise
         except RunAbandoned as exc:  # a person closed it: nothing more to do here
             log.warning("%s", exc)
-            status = "closed"
+            self._count(RunStatus.CLOSED)
         except LeaseLost as exc:
             log.warning("run %r: %s", run_id, exc)
-            return
         except UncertainEffect:
-            status = "uncertain"
+            self._count(RunStatus.UNCERTAIN)
         except Exception as exc:
-            status = await self._failed(run_id, exc)
-        self._count(status)
+            await self._failed(run_id, exc)
 
-    async def _pass(self, agent: Agent, task: str, session: Session) -> str:
-        last = "running"
+    async def _pass(self, agent: Agent, task: str, session: Session) -> RunStatus:
+        """How the pass left the run: closed, suspended, or still running (it stopped)."""
+        status = RunStatus.RUNNING
         async for step in agent.run(task, session=session):
-            last = type(step).__name__
-        return {"FinalStep": "closed", "ApprovalStep": "suspended"}.get(last, "running")
+            if isinstance(step, FinalStep):
+                status = RunStatus.CLOSED
+            elif isinstance(step, ApprovalStep):
+                status = RunStatus.SUSPENDED
+        return status
 
-    async def _failed(self, run_id: str, exc: Exception) -> str:
+    async def _failed(self, run_id: str, exc: Exception) -> None:
         """Note why the pass failed; the run stays claimable, and is parked if it keeps failing."""
         log.warning("run %r failed in this worker: %s", run_id, exc)
         reason = f"{type(exc).__name__}: {exc}"[:1000]
         try:
             await self.store.set_status(run_id, RunStatus.RUNNING, reason=reason)
         except RunClosed:  # abandoned meanwhile: a closed run stays closed
-            return "closed"
-        return "failed"
+            self._count(RunStatus.CLOSED)
+            return
+        self.stats.failed += 1
 
-    def _count(self, status: str) -> None:
-        if status in ("closed", "suspended", "uncertain", "failed"):
-            setattr(self.stats, status, getattr(self.stats, status) + 1)
+    def _count(self, status: RunStatus) -> None:
+        if status is RunStatus.CLOSED:
+            self.stats.closed += 1
+        elif status is RunStatus.SUSPENDED:
+            self.stats.suspended += 1
+        elif status is RunStatus.UNCERTAIN:
+            self.stats.uncertain += 1

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from asiento.testing import CrashHarness, sample
-from asiento.testing.pytest_plugin import crash_harness  # noqa: F401
 from asiento.testing.invoices import InvoiceServer
+from asiento.testing.pytest_plugin import crash_harness  # noqa: F401
 
 TESTS = str(Path(__file__).resolve().parent.parent)
 SAMPLE = "asiento.testing.sample:factory"
