@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic_core import to_jsonable_python
 
-from . import context, shutdown
+from . import context, shutdown, step_ids
 from ._canonical import (
     FingerprintChain,
     canonical_json,
@@ -44,7 +44,6 @@ from .errors import (
     UsageError,
 )
 from .events import (
-    FINAL_STEP_ID,
     ApprovalStep,
     Decision,
     FinalStep,
@@ -111,10 +110,6 @@ class Agent:
         if not isinstance(session, Session):
             raise UsageError("run() needs session=Session(run_id, gateway, store)")
         return _Pass(self, task, session).steps()
-
-
-def _is_tool_step(step_id: str) -> bool:
-    return "." in step_id
 
 
 class _Decided(Exception):
@@ -187,7 +182,7 @@ class _Pass:
             return None
         lost = {e.step_id for e in self.unrecorded if e.phase is Phase.RESULT}
         text = str(final.payload.get("text") or "abandoned")
-        return RunAbandoned(self.run_id, text, tuple(sorted(lost - {FINAL_STEP_ID})))
+        return RunAbandoned(self.run_id, text, tuple(sorted(lost - {step_ids.FINAL})))
 
     async def _keep_what_happened(self) -> None:
         """Closed early (the caller stopped iterating, or an error): record what already ran.
@@ -216,14 +211,14 @@ class _Pass:
     async def _walk(self) -> AsyncIterator[Step]:
         """Replay what the journal holds, then do what is missing, step by step."""
         self.journal = index(await self.store.load(self.run_id))
-        final = self.journal.get(FINAL_STEP_ID, {}).get(Phase.RESULT)
+        final = self.journal.get(step_ids.FINAL, {}).get(Phase.RESULT)
         if final is not None:  # closed by the session we waited for
             await self.store.set_status(self.run_id, RunStatus.CLOSED, lease=self.lease)
             yield self._closed(final)
             return
         self._add(Message(role="user", content=self.task))
         for turn in range(1, self.agent.max_turns + 1):
-            step_id = f"m{turn}"
+            step_id = step_ids.model(turn)
             await self._boundary()
             response = await self._model_step(step_id)
             if not response.tool_calls:
@@ -233,7 +228,7 @@ class _Pass:
                 return
             for number, call in enumerate(response.tool_calls, 1):
                 await self._boundary()
-                go_on = await self._tool_step(f"{step_id}.t{number}", call)
+                go_on = await self._tool_step(step_ids.tool(step_id, number), call)
                 for step in self._drain():
                     yield step
                 if not go_on:
@@ -316,7 +311,7 @@ class _Pass:
         return response
 
     async def _close(self, step_id: str, response: ModelResponse) -> None:
-        self._record(FINAL_STEP_ID, Phase.RESULT, {"step": step_id, "text": response.text})
+        self._record(step_ids.FINAL, Phase.RESULT, {"step": step_id, "text": response.text})
         self.waiting.append(FinalStep(run_id=self.run_id, step_id=step_id, text=response.text))
         await self._flush(RunStatus.CLOSED)
 
@@ -531,7 +526,7 @@ class _Pass:
     async def _flush(self, status: RunStatus | None = None) -> None:
         """Make the pending records durable in one transaction, then release their steps."""
         events, self.pending = self.pending, []
-        phases = {(e.phase, _is_tool_step(e.step_id)) for e in events}
+        phases = {(e.phase, step_ids.is_tool(e.step_id)) for e in events}
         if (Phase.INTENT, True) in phases:
             crash_point("before_intent")
         if events:
@@ -687,7 +682,7 @@ def _with_call_ids(response: ModelResponse, step_id: str) -> ModelResponse:
     if all(c.id for c in response.tool_calls):
         return response
     calls = [
-        c if c.id else replace(c, id=f"{step_id}.t{i}")
+        c if c.id else replace(c, id=step_ids.tool(step_id, i))
         for i, c in enumerate(response.tool_calls, 1)
     ]
     return replace(response, tool_calls=calls)

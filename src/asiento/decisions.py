@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from . import lease as lease_state
+from . import step_ids
 from ._crash import crash_point
 from .errors import (
     ApprovalRefused,
@@ -22,7 +23,7 @@ from .errors import (
     RunLocked,
     UsageError,
 )
-from .events import FINAL_STEP_ID, Decision, Lease, Phase, RunStatus, StepEvent
+from .events import Decision, Lease, Phase, RunStatus, StepEvent
 from .journal.base import Checkpointer, check_id
 from .lease import Holder
 from .replay import StepState, index, step_state
@@ -162,7 +163,7 @@ async def resolve(
 
 async def _uncertain_state(store: Checkpointer, run_id: str, step_id: str) -> StepState:
     """The step as replay sees it, or a ``UsageError`` if it is not uncertain."""
-    state = step_state(index(await store.load(run_id)), step_id.split("/", 1)[0])
+    state = step_state(index(await store.load(run_id)), step_ids.base(step_id))
     records = state.records
     if {Phase.RESULT, Phase.RESOLUTION} & records.keys() or Phase.SUBMITTED not in records:
         raise UsageError(
@@ -201,7 +202,7 @@ async def abandon(store: Checkpointer, run_id: str, *, by: str, reason: str) -> 
         raise RunClosed(f"run {run_id!r} is closed already; nothing recorded")
     text = f"abandoned by {by}: {reason}"
     payload = {"step": "abandoned", "text": text, "abandoned": True, "by": by, "reason": reason}
-    event = StepEvent(run_id=run_id, step_id=FINAL_STEP_ID, phase=Phase.RESULT, payload=payload)
+    event = StepEvent(run_id=run_id, step_id=step_ids.FINAL, phase=Phase.RESULT, payload=payload)
     async with _holding(store, run_id, force=True) as lease:
         try:
             await store.append(event, status=RunStatus.CLOSED, lease=lease)

@@ -15,8 +15,6 @@ from typing import Any
 from . import _clock
 from .model import ModelResponse, ToolCall
 
-FINAL_STEP_ID = "final"
-
 
 class Phase(StrEnum):
     """Where a step stands; one record per phase, never two."""

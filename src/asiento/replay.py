@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from . import step_ids
 from .errors import ApprovalMismatch, JournalCorrupt
 from .events import Decision, Phase, StepEvent
 
@@ -89,11 +90,6 @@ def index(events: Sequence[StepEvent]) -> dict[str, dict[Phase, StepEvent]]:
     return journal
 
 
-def attempt_id(step_id: str, attempt: int) -> str:
-    """The step id under which attempt ``attempt`` of a tool step writes its records."""
-    return step_id if attempt == 1 else f"{step_id}/{attempt}"
-
-
 @dataclass(frozen=True, slots=True)
 class StepState:
     """A tool step as replay sees it: intent and approval, plus its latest attempt."""
@@ -105,13 +101,13 @@ class StepState:
     @property
     def current_id(self) -> str:
         """Where the latest attempt's records live."""
-        return attempt_id(self.step_id, self.attempt)
+        return step_ids.attempt(self.step_id, self.attempt)
 
     @property
     def next_id(self) -> str:
         """Where a new submission writes: a fresh attempt once this one was submitted."""
         if Phase.SUBMITTED in self.records:
-            return attempt_id(self.step_id, self.attempt + 1)
+            return step_ids.attempt(self.step_id, self.attempt + 1)
         return self.current_id
 
 
@@ -119,12 +115,12 @@ def step_state(journal: Mapping[str, Records], step_id: str) -> StepState:
     """Merge a step's base records with those of its latest attempt."""
     base = journal.get(step_id, {})
     attempt = 1
-    while attempt_id(step_id, attempt + 1) in journal:
+    while step_ids.attempt(step_id, attempt + 1) in journal:
         attempt += 1
     if attempt == 1:
         return StepState(step_id, 1, base)
     merged: dict[Phase, StepEvent] = {
         p: e for p, e in base.items() if p in (Phase.INTENT, Phase.APPROVAL)
     }
-    merged.update(journal[attempt_id(step_id, attempt)])
+    merged.update(journal[step_ids.attempt(step_id, attempt)])
     return StepState(step_id, attempt, merged)

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from . import step_ids
 from .decisions import refuse_closed
 from .effects.records import EffectRecord, effect_records_of
 from .errors import ApprovalRefused, UsageError
-from .events import FINAL_STEP_ID, Decision, Phase, RunInfo, RunStatus, StepEvent
+from .events import Decision, Phase, RunInfo, RunStatus, StepEvent
 from .journal.base import Checkpointer
 from .replay import StepState, index, step_state
 
@@ -78,10 +79,10 @@ def waiting_of(events: Sequence[StepEvent], status: RunStatus) -> list[Waiting]:
     A closed run waits for nobody: what it had in flight is listed as such.
     """
     journal = index(events)
-    closed = Phase.RESULT in journal.get(FINAL_STEP_ID, {})
+    closed = Phase.RESULT in journal.get(step_ids.FINAL, {})
     found = []
     for step_id, phases in journal.items():
-        if Phase.INTENT not in phases or "/" in step_id:
+        if Phase.INTENT not in phases or step_ids.is_retry(step_id):
             continue
         state = step_state(journal, step_id)
         kind = _awaits(state.records, status, closed=closed)
@@ -141,7 +142,7 @@ async def awaiting_resolution(store: Checkpointer, run_id: str, step_id: str) ->
     """The uncertain step a person is about to resolve, or a ``UsageError`` saying why not."""
     info = await find_run(store, run_id)
     events = await store.load(run_id)
-    base = step_id.split("/", 1)[0]
+    base = step_ids.base(step_id)
     if base not in index(events):
         raise UsageError(f"run {run_id!r} has no step {step_id!r}; `asiento show` lists its steps")
     await refuse_closed(store, run_id, "resolved")
@@ -179,7 +180,7 @@ def call_lines(waiting: Waiting) -> str:
 def summary(event: StepEvent) -> str:
     """What a record says, on one line, for a person (the JSON has everything)."""
     payload = event.payload
-    if event.step_id == FINAL_STEP_ID:
+    if event.step_id == step_ids.FINAL:
         return f"closed after {payload.get('step')}: {_text(payload.get('text'))}"
     if event.phase == Phase.RESULT and "response" in payload:
         return _model_summary(payload["response"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from .. import _clock
+from .. import _clock, step_ids
 from ..errors import DuplicateRecord, UsageError
-from ..events import FINAL_STEP_ID, Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
+from ..events import Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
 from .base import (
     STABLE,
@@ -145,9 +145,9 @@ class MemoryCheckpointer:
         return [e for e in await self.load(run_id) if e.step_id == step_id]
 
     async def final(self, run_id: str) -> StepEvent | None:
-        if (run_id, FINAL_STEP_ID, Phase.RESULT) not in self._keys:
+        if (run_id, step_ids.FINAL, Phase.RESULT) not in self._keys:
             return None
-        events = await self.load_step(run_id, FINAL_STEP_ID)
+        events = await self.load_step(run_id, step_ids.FINAL)
         return next(e for e in events if e.phase == Phase.RESULT)
 
     async def age(self, run_id: str, step_id: str, phase: Phase) -> float | None:

@@ -33,6 +33,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import TupleRow
 from psycopg_pool import AsyncConnectionPool
 
+from .. import step_ids
 from .._crash import crash_point
 from ..errors import (
     DuplicateRecord,
@@ -43,7 +44,7 @@ from ..errors import (
     NotAJournal,
     UsageError,
 )
-from ..events import FINAL_STEP_ID, Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
+from ..events import Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
 from . import _postgres_schema as sql
 from ._backfill import CACHE_RECORDS, MIGRATION_ADVICE, CacheTotals
@@ -274,7 +275,7 @@ class PostgresCheckpointer:
 
     async def final(self, run_id: str) -> StepEvent | None:
         query = sql.SELECT_EVENTS + " WHERE run_id = %s AND step_id = %s AND phase = %s"
-        rows = await self._fetch(query, (run_id, FINAL_STEP_ID, Phase.RESULT.value))
+        rows = await self._fetch(query, (run_id, step_ids.FINAL, Phase.RESULT.value))
         return decode_row(run_id, rows[0]) if rows else None
 
     async def age(self, run_id: str, step_id: str, phase: Phase) -> float | None:

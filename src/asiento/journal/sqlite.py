@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from .. import _clock
+from .. import _clock, step_ids
 from .._crash import crash_point
 from ..errors import (
     DuplicateRecord,
@@ -31,7 +31,7 @@ from ..errors import (
     NotAJournal,
     UsageError,
 )
-from ..events import FINAL_STEP_ID, Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
+from ..events import Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
 from ._backfill import MIGRATION_ADVICE
 from ._sqlite_capi import keep_wal_on_close, os_errno
@@ -350,7 +350,7 @@ class SqliteCheckpointer:
             " WHERE run_id = ? AND step_id = ? AND phase = ?"
         )
         with self._errors():
-            row = self._db.execute(sql, (run_id, FINAL_STEP_ID, Phase.RESULT.value)).fetchone()
+            row = self._db.execute(sql, (run_id, step_ids.FINAL, Phase.RESULT.value)).fetchone()
         return None if row is None else decode_row(run_id, row)
 
     async def age(self, run_id: str, step_id: str, phase: Phase) -> float | None:

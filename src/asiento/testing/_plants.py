@@ -94,13 +94,15 @@ def _stale_status(postgres: bool) -> None:
 
 
 def _unfenced_abandon(postgres: bool) -> None:
-    from .. import decisions
-    from ..events import FINAL_STEP_ID, Phase, RunStatus, StepEvent
+    from .. import decisions, step_ids
+    from ..events import Phase, RunStatus, StepEvent
 
     async def abandon(store: Any, run_id: str, *, by: str, reason: str) -> StepEvent:
         text = f"abandoned by {by}: {reason}"
         payload = {"step": "abandoned", "text": text, "abandoned": True, "by": by}
-        event = StepEvent(run_id=run_id, step_id=FINAL_STEP_ID, phase=Phase.RESULT, payload=payload)
+        event = StepEvent(
+            run_id=run_id, step_id=step_ids.FINAL, phase=Phase.RESULT, payload=payload
+        )
         await store.append(event, status=RunStatus.CLOSED)  # the bug: the fence stays
         return event
 

@@ -46,11 +46,12 @@ A violation is data (``Violation``), never an assert: campaigns count them.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .. import step_ids
 
 INVARIANTS = (
     "effect_once",
@@ -87,7 +88,6 @@ CONCURRENT_OPS = frozenset({"race", "work"})
 PASS_OPS = frozenset({"run", *CONCURRENT_OPS})
 # Errors a pass may end with when the harness cut its database under it.
 INFRA_ERRORS = frozenset({"JournalError", "JournalBusy"})
-_MODEL_STEP = re.compile(r"m\d+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,14 +194,15 @@ class RaceRecord:
 
 
 def is_tool_step(step_id: str) -> bool:
-    return "." in step_id and "/" not in step_id
+    """A tool step's own id (its first attempt), not a retry's."""
+    return step_ids.is_tool(step_id) and not step_ids.is_retry(step_id)
 
 
 def attempts(journal: Journal, step: str) -> list[str]:
     """The record ids of a tool step's attempts, first to latest: step, step/2, ..."""
     ids = [step]
-    while f"{step}/{len(ids) + 1}" in journal:
-        ids.append(f"{step}/{len(ids) + 1}")
+    while step_ids.attempt(step, len(ids) + 1) in journal:
+        ids.append(step_ids.attempt(step, len(ids) + 1))
     return ids
 
 
@@ -248,7 +249,7 @@ def recorded_keys(run_id: str, journal: Journal) -> set[str]:
     return {
         model_key(run_id, step, str(phases["result"][1].get("fp", "")))
         for step, phases in journal.items()
-        if _MODEL_STEP.fullmatch(step) and "result" in phases
+        if step_ids.is_model(step) and "result" in phases
     }
 
 
@@ -371,7 +372,7 @@ def _op_checks(
     for line in models:
         if line["key"] in recorded:
             found.append(("model_once", f"model key {line['key']} requested again"))
-    closed = "result" in op.before.get("final", {})  # abandoned with a step in flight
+    closed = "result" in op.before.get(step_ids.FINAL, {})  # abandoned with a step in flight
     uncertain = set() if closed else uncertain_steps(op.before, tools, op.started)
     # With a commit that surfaced late, a step counts as uncertain only if it is in
     # both views, and an UncertainEffect is justified by either.
@@ -383,7 +384,7 @@ def _op_checks(
     if op.op == "run" and not op.killed:
         found += [("uncertain_iff", m) for m in _uncertain_iff(op, surely, uncertain | seen)]
         answered = op.outcome == "closed" and (op.out or {}).get("replayed")
-        if "final" in op.before and not answered and not _excused(op):
+        if step_ids.FINAL in op.before and not answered and not _excused(op):
             found.append(("run_ends", f"a closed run was not only answered: {op.out}"))
     if op.op not in CONCURRENT_OPS:
         found += [("run_ends", m) for m in _ended_well(op, status_after)]
@@ -438,7 +439,7 @@ def _run_end(history: RunHistory, tools: Mapping[str, ToolInfo]) -> list[Violati
 def _closed(history: RunHistory, tools: Mapping[str, ToolInfo]) -> list[Violation]:
     """A closed run has its final record, every answer it used was asked, every tool ran."""
     final, found = history.final, []
-    if "result" not in final.get("final", {}):
+    if "result" not in final.get(step_ids.FINAL, {}):
         found.append(_violation(history, "run_ends", "closed without a final record"))
     asked = {line["key"] for line in history.models}
     missing = recorded_keys(history.run_id, final) - asked
@@ -487,7 +488,7 @@ def index_contradiction(journal: Journal, status: str | None) -> str | None:
     """Why the run index's ``status`` contradicts ``journal``, or None if it does not."""
     if status is None:  # no record of the run yet
         return None
-    closed = "result" in journal.get("final", {})
+    closed = "result" in journal.get(step_ids.FINAL, {})
     if closed != (status == "closed"):
         held = "holds" if closed else "has no"
         return f"the index says {status}, and the journal {held} the final record"
@@ -523,7 +524,7 @@ def unsettled(journal: Journal) -> list[str]:
 def _structure(run_id: str, journal: Journal) -> list[Violation]:
     found = []
     for step, phases in journal.items():
-        base = step.split("/", 1)[0]
+        base = step_ids.base(step)
         if "submitted" in phases and "intent" not in journal.get(base, {}):
             found.append(Violation("integrity", run_id, f"{step} submitted without an intent"))
     return found

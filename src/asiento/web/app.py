@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from .. import step_ids
 from .. import views as fmt
 from ..decisions import approve, deny, resolve
 from ..effects.records import effect_records_of
@@ -228,7 +229,7 @@ class Pages:
         if not step_id:
             return ""
         for event in reversed(await self.store.load(run_id)):
-            if event.step_id.split("/", 1)[0] == step_id and event.phase in _PERSON:
+            if step_ids.base(event.step_id) == step_id and event.phase in _PERSON:
                 return f"Recorded: step {step_id} {fmt.summary(event)}."
         return ""
 

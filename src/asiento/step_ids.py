@@ -1,0 +1,52 @@
+"""Step ids: the one grammar that names a run's records.
+
+    m{n}             the n-th model step: m1, m2, ...
+    m{n}.t{k}        the k-th tool call the model asked for in m{n}: m1.t1, m1.t2, ...
+    m{n}.t{k}/{a}    attempt a (2, 3, ...) of that tool step; attempt 1 is the step id itself
+    final            the run's final record
+
+The same journal always yields the same ids. Nothing else in asiento builds or
+splits step ids: ask this module.
+"""
+
+from __future__ import annotations
+
+FINAL = "final"
+
+_TOOL = ".t"
+_ATTEMPT = "/"
+
+
+def model(turn: int) -> str:
+    """The id of model step ``turn`` (counted from 1)."""
+    return f"m{turn}"
+
+
+def tool(model_step: str, number: int) -> str:
+    """The id of the ``number``-th tool call (from 1) the model asked for in ``model_step``."""
+    return f"{model_step}{_TOOL}{number}"
+
+
+def attempt(step_id: str, number: int) -> str:
+    """Where attempt ``number`` of a tool step writes its records (the step id for the first)."""
+    return step_id if number == 1 else f"{step_id}{_ATTEMPT}{number}"
+
+
+def base(record_id: str) -> str:
+    """The step a record id belongs to: the id without its attempt."""
+    return record_id.split(_ATTEMPT, 1)[0]
+
+
+def is_tool(record_id: str) -> bool:
+    """Whether the record belongs to a tool step (any attempt of it)."""
+    return _TOOL in base(record_id)
+
+
+def is_retry(record_id: str) -> bool:
+    """Whether the record id names a second or later attempt of a tool step."""
+    return _ATTEMPT in record_id
+
+
+def is_model(record_id: str) -> bool:
+    """Whether the record id names a model step."""
+    return record_id.startswith("m") and record_id[1:].isdigit()
