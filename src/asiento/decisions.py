@@ -26,7 +26,8 @@ from .errors import (
 from .events import Decision, Lease, Phase, RunStatus, StepEvent
 from .journal.base import Checkpointer, check_id
 from .lease import Holder
-from .replay import StepState, index, step_state
+from .replay import Journal, Waits, index, same_fingerprint, step_state, waits_for
+from .views import Waiting, decided_by, find_run, waiting
 
 # How long a person's write holds the run's lease (it holds it for one transaction; if
 # the deciding process dies meanwhile, the run is free again at the latest by then).
@@ -80,27 +81,18 @@ async def _decide(
     reason: str,
     fingerprint: str | None,
 ) -> StepEvent:
-    check_id("run_id", run_id)
-    check_id("step_id", step_id)
     if not isinstance(by, str) or not by:
         raise UsageError("say who decides: by='name'")
-    records = {e.phase: e for e in await store.load_step(run_id, step_id)}
-    intent = records.get(Phase.INTENT)
-    where = f"run {run_id!r} step {step_id!r}"
-    if intent is None or intent.decision != Decision.REQUIRE_APPROVAL:
-        raise ApprovalRefused(f"{where} is not awaiting approval")
-    if Phase.APPROVAL in records:
-        raise ApprovalRefused(f"{where} was already decided: {records[Phase.APPROVAL].decision}")
-    await refuse_closed(store, run_id, "approved or denied")
-    frozen = intent.payload.get("fp")
-    if fingerprint is not None and fingerprint != frozen:
+    pending = await pending_approval(store, run_id, step_id)
+    where, frozen = f"run {run_id!r} step {pending.step_id!r}", pending.fingerprint
+    if fingerprint is not None and not same_fingerprint(fingerprint, frozen):
         raise ApprovalRefused(
-            f"{where}: you were shown arguments {fingerprint!r} but the step froze {frozen!r}; "
-            "nothing was recorded"
+            f"{where}: you were shown the arguments of fingerprint {fingerprint!r}, but the "
+            f"step froze fingerprint {frozen!r}; nothing was recorded"
         )
     event = StepEvent(
         run_id=run_id,
-        step_id=step_id,
+        step_id=pending.step_id,
         phase=Phase.APPROVAL,
         decision=Decision.APPROVED if approved else Decision.DENIED,
         payload={"approved": approved, "by": by, "reason": reason, "fp": frozen},
@@ -133,22 +125,19 @@ async def resolve(
     ``happened=True``: the effect happened; ``result`` is fed to the model.
     ``happened=False``: it did not; the next pass executes it again, once.
     """
-    check_id("run_id", run_id)
-    check_id("step_id", step_id)
     if not isinstance(happened, bool):
         raise UsageError("resolve(happened=...) takes True or False")
     payload = {"happened": happened, "by": by, "reason": reason, "remote_id": remote_id}
     if happened:
         payload["result"] = result if result is not None else {"remote_id": remote_id}
-    await _uncertain_state(store, run_id, step_id)
-    await refuse_closed(store, run_id, "resolved")
+    await pending_resolution(store, run_id, step_id)
     # The run's lease, taken for this one write: a session still driving the run may
     # record the step's own outcome yet (RunLocked), and a stale one writes nothing after.
     async with _holding(store, run_id, busy=_driven) as lease:
-        state = await _uncertain_state(store, run_id, step_id)  # as it is under the lease
-        where = f"run {run_id!r} step {state.step_id!r}"
+        pending = await pending_resolution(store, run_id, step_id)  # as it is under the lease
+        where = f"run {run_id!r} step {pending.step_id!r}"
         event = StepEvent(
-            run_id=run_id, step_id=state.current_id, phase=Phase.RESOLUTION, payload=payload
+            run_id=run_id, step_id=pending.record_id, phase=Phase.RESOLUTION, payload=payload
         )
         try:
             await store.append(event, status=RunStatus.RUNNING, lease=lease)
@@ -161,16 +150,54 @@ async def resolve(
     return event
 
 
-async def _uncertain_state(store: Checkpointer, run_id: str, step_id: str) -> StepState:
-    """The step as replay sees it, or a ``UsageError`` if it is not uncertain."""
-    state = step_state(index(await store.load(run_id)), step_ids.base(step_id))
-    records = state.records
-    if {Phase.RESULT, Phase.RESOLUTION} & records.keys() or Phase.SUBMITTED not in records:
+async def pending_approval(store: Checkpointer, run_id: str, step_id: str) -> Waiting:
+    """The step a person is about to approve or deny, or why they cannot.
+
+    ``ApprovalRefused`` when it does not await a decision (or was decided),
+    ``RunClosed`` when the run is closed, ``UsageError`` for an unknown run or step.
+    """
+    journal = await _journal_of(store, run_id, step_id, refused=ApprovalRefused)
+    state = step_state(journal, step_ids.base(step_id))
+    where = f"run {run_id!r} step {state.step_id!r}"
+    decided = state.records.get(Phase.APPROVAL)
+    if decided is not None:
+        raise ApprovalRefused(f"{where} was already {decided_by(decided)}; nothing was recorded")
+    if waits_for(state.records) is not Waits.APPROVAL:
+        raise ApprovalRefused(f"{where} is not awaiting approval")
+    _refuse_closed(journal, run_id, "approved or denied")
+    return waiting(state, Waits.APPROVAL)
+
+
+async def pending_resolution(store: Checkpointer, run_id: str, step_id: str) -> Waiting:
+    """The step a person is about to resolve (submitted, no outcome), or why they cannot."""
+    journal = await _journal_of(store, run_id, step_id)
+    state = step_state(journal, step_ids.base(step_id))
+    if waits_for(state.records, uncertain=True) is not Waits.RESOLUTION:
         raise UsageError(
-            f"run {run_id!r} step {state.step_id!r} is not uncertain "
-            "(submitted with no recorded outcome)"
+            f"run {run_id!r} step {step_id!r} is not uncertain (submitted with no recorded outcome)"
         )
-    return state
+    _refuse_closed(journal, run_id, "resolved")
+    return waiting(state, Waits.RESOLUTION)
+
+
+async def _journal_of(
+    store: Checkpointer, run_id: str, step_id: str, *, refused: type[UsageError] = UsageError
+) -> Journal:
+    """The run's journal, which must hold ``step_id``: else ``refused`` saying so."""
+    check_id("run_id", run_id)
+    check_id("step_id", step_id)
+    events = await store.load(run_id)
+    if not events:
+        await find_run(store, run_id)  # an unknown run says so
+    journal = index(events)
+    if step_ids.base(step_id) not in journal:
+        raise refused(f"run {run_id!r} has no step {step_id!r}; `asiento show` lists its steps")
+    return journal
+
+
+def _refuse_closed(journal: Journal, run_id: str, done: str) -> None:
+    if Phase.RESULT in journal.get(step_ids.FINAL, {}):
+        raise closed_error(run_id, done)
 
 
 async def unpark(store: Checkpointer, run_id: str, *, by: str, reason: str = "") -> None:
@@ -178,8 +205,7 @@ async def unpark(store: Checkpointer, run_id: str, *, by: str, reason: str = "")
     check_id("run_id", run_id)
     if not isinstance(by, str) or not by:
         raise UsageError("say who unparks the run: by='name'")
-    info = next((r for r in await store.runs(status=RunStatus.PARKED) if r.run_id == run_id), None)
-    if info is None:
+    if (await find_run(store, run_id)).status != RunStatus.PARKED:
         raise UsageError(f"run {run_id!r} is not parked")
     note = f"unparked by {by}" + (f": {reason}" if reason else "")
     await store.set_status(run_id, RunStatus.RUNNING, reason=note)
@@ -196,8 +222,7 @@ async def abandon(store: Checkpointer, run_id: str, *, by: str, reason: str) -> 
     check_id("run_id", run_id)
     if not isinstance(by, str) or not by or not isinstance(reason, str) or not reason:
         raise UsageError("say who abandons the run and why: by='name', reason='...'")
-    if not [r for r in await store.runs() if r.run_id == run_id]:
-        raise UsageError(f"unknown run {run_id!r}")
+    await find_run(store, run_id)
     if await store.final(run_id) is not None:
         raise RunClosed(f"run {run_id!r} is closed already; nothing recorded")
     text = f"abandoned by {by}: {reason}"
@@ -245,12 +270,6 @@ def _driven(run_id: str, exc: RunLocked) -> UsageError:
         f"run {run_id!r} is being driven right now ({exc}); its step may still record an "
         "outcome, and nothing was recorded. Resolve it once the run stops"
     )
-
-
-async def refuse_closed(store: Checkpointer, run_id: str, done: str) -> None:
-    """``RunClosed`` if the run is closed: a person's decision on it would change nothing."""
-    if await store.final(run_id) is not None:
-        raise closed_error(run_id, done)
 
 
 def closed_error(run_id: str, done: str) -> RunClosed:

@@ -31,6 +31,8 @@ from .errors import ApprovalMismatch, JournalCorrupt
 from .events import Decision, Phase, StepEvent
 
 Records = Mapping[Phase, StepEvent]
+# A timeline as ``index`` gives it: step id -> phase -> record.
+Journal = dict[str, dict[Phase, StepEvent]]
 
 
 class Action(StrEnum):
@@ -74,17 +76,54 @@ def decide(records: Records, *, idempotent: bool) -> Action:
 
 def check_approval(intent: StepEvent, approval: StepEvent) -> None:
     """An approval approves exactly the frozen arguments it was shown, or nothing."""
-    if approval.payload.get("fp") != intent.payload.get("fp"):
-        shown, frozen = approval.payload.get("fp"), intent.payload.get("fp")
+    shown, frozen = approval.payload.get("fp"), intent.payload.get("fp")
+    if not same_fingerprint(shown, frozen):
         raise ApprovalMismatch(
             f"run {intent.run_id!r} step {intent.step_id!r}: the recorded approval was given for "
-            f"arguments {shown!r}, but the step froze {frozen!r}; it approves nothing"
+            f"arguments of fingerprint {shown!r}, but the step froze fingerprint {frozen!r}; "
+            "it approves nothing"
         )
 
 
-def index(events: Sequence[StepEvent]) -> dict[str, dict[Phase, StepEvent]]:
+def same_fingerprint(shown: object, frozen: object) -> bool:
+    """Whether a fingerprint a person was shown is the frozen one (hex: any letter case)."""
+    if isinstance(shown, str) and isinstance(frozen, str):
+        return shown.lower() == frozen.lower()
+    return shown == frozen
+
+
+class Waits(StrEnum):
+    """What a tool step waits for, as the decision table judges it."""
+
+    APPROVAL = "approval"  # a person approves or denies
+    RESOLUTION = "resolution"  # uncertain: a person says whether the effect happened
+    IN_FLIGHT = "in_flight"  # submitted, no outcome yet: its session may still record one
+
+
+def waits_for(records: Records, *, uncertain: bool = False, closed: bool = False) -> Waits | None:
+    """What the step of ``records`` waits for, if anything: the one place that says so.
+
+    ``uncertain``: the run stopped there (a submitted step with no outcome waits for a
+    person, not for its session). A closed run waits for nobody: a step it had in
+    flight stays in flight. An approval recorded for other arguments approves
+    nothing, and the step waits for nothing a person can give (its pass says why).
+    """
+    if Phase.INTENT not in records:
+        return None
+    try:
+        action = decide(records, idempotent=False)
+    except ApprovalMismatch:
+        return None
+    if action is Action.AWAIT_APPROVAL:
+        return None if closed else Waits.APPROVAL
+    if action is Action.UNCERTAIN:
+        return Waits.RESOLUTION if uncertain and not closed else Waits.IN_FLIGHT
+    return None
+
+
+def index(events: Sequence[StepEvent]) -> Journal:
     """A timeline as step id -> phase -> record, steps in the order they first appear."""
-    journal: dict[str, dict[Phase, StepEvent]] = {}
+    journal: Journal = {}
     for event in events:
         journal.setdefault(event.step_id, {})[event.phase] = event
     return journal

@@ -19,27 +19,24 @@ from datetime import datetime
 from typing import Any
 
 from . import step_ids
-from .decisions import refuse_closed
 from .effects.records import EffectRecord, effect_records_of
-from .errors import ApprovalRefused, UsageError
+from .errors import UsageError
 from .events import Decision, Phase, RunInfo, RunStatus, StepEvent
 from .journal.base import Checkpointer
-from .replay import StepState, index, step_state
+from .replay import StepState, Waits, index, step_state, waits_for
 
 SUMMARY_WIDTH = 90
-
-Journal = dict[str, dict[Phase, StepEvent]]
 
 
 # -- one run --------------------------------------------------------------------------
 
 
 async def find_run(store: Checkpointer, run_id: str) -> RunInfo:
-    """The run's line in the index; an unknown run is a ``UsageError`` naming it."""
-    for info in await store.runs():
-        if info.run_id == run_id:
-            return info
-    raise UsageError(f"unknown run {run_id!r} in this journal; `asiento runs` lists them")
+    """The run's line in the index, looked up by id; an unknown run is a ``UsageError``."""
+    info = await store.run(run_id)
+    if info is None:
+        raise UsageError(f"unknown run {run_id!r} in this journal; `asiento runs` lists them")
+    return info
 
 
 def timeline(events: Sequence[StepEvent]) -> list[tuple[str, list[StepEvent]]]:
@@ -59,7 +56,7 @@ class Waiting:
     run_id: str
     step_id: str
     record_id: str
-    kind: str
+    kind: Waits
     tool: str
     args: Any
     fingerprint: str
@@ -70,44 +67,33 @@ class Waiting:
 
     @property
     def needs_person(self) -> bool:
-        return self.kind in ("approval", "resolution")
+        return self.kind in (Waits.APPROVAL, Waits.RESOLUTION)
 
 
 def waiting_of(events: Sequence[StepEvent], status: RunStatus) -> list[Waiting]:
     """The tool steps of a run that have no outcome yet and why, in step order.
 
-    A closed run waits for nobody: what it had in flight is listed as such.
+    What each waits for is the replay table's judgement (``replay.waits_for``).
     """
     journal = index(events)
     closed = Phase.RESULT in journal.get(step_ids.FINAL, {})
+    uncertain = status == RunStatus.UNCERTAIN
     found = []
     for step_id, phases in journal.items():
         if Phase.INTENT not in phases or step_ids.is_retry(step_id):
             continue
         state = step_state(journal, step_id)
-        kind = _awaits(state.records, status, closed=closed)
+        kind = waits_for(state.records, uncertain=uncertain, closed=closed)
         if kind is not None:
-            latest = max(e.created_at for e in state.records.values())
-            found.append(_waiting(state.records[Phase.INTENT], state, kind, latest))
+            found.append(waiting(state, kind))
     return found
 
 
-def _awaits(records: Mapping[Phase, StepEvent], status: RunStatus, *, closed: bool) -> str | None:
-    if Phase.SUBMITTED in records and not {Phase.RESULT, Phase.RESOLUTION} & records.keys():
-        return "resolution" if status == RunStatus.UNCERTAIN and not closed else "in_flight"
-    if closed:
-        return None
-    if records[Phase.INTENT].decision == Decision.REQUIRE_APPROVAL and (
-        Phase.APPROVAL not in records
-    ):
-        return "approval"
-    return None
-
-
-def _waiting(intent: StepEvent, state: StepState, kind: str, since: float) -> Waiting:
-    payload = intent.payload
+def waiting(state: StepState, kind: Waits) -> Waiting:
+    """A step as a person sees it while it waits for ``kind``."""
+    payload = state.records[Phase.INTENT].payload
     return Waiting(
-        run_id=intent.run_id,
+        run_id=state.records[Phase.INTENT].run_id,
         step_id=state.step_id,
         record_id=state.current_id,
         kind=kind,
@@ -117,40 +103,7 @@ def _waiting(intent: StepEvent, state: StepState, kind: str, since: float) -> Wa
         prepared=payload.get("prepared"),
         idem_key=payload.get("idem_key"),
         attempts=state.attempt if Phase.SUBMITTED in state.records else state.attempt - 1,
-        since=since,
-    )
-
-
-async def awaiting_decision(store: Checkpointer, run_id: str, step_id: str) -> Waiting:
-    """The step a person is about to approve or deny, or an ``ApprovalError`` saying why not."""
-    info = await find_run(store, run_id)
-    records = {e.phase: e for e in await store.load_step(run_id, step_id)}
-    where = f"run {run_id!r} step {step_id!r}"
-    if not records:
-        raise UsageError(f"run {run_id!r} has no step {step_id!r}; `asiento show` lists its steps")
-    await refuse_closed(store, run_id, "approved or denied")
-    decided = records.get(Phase.APPROVAL)
-    if decided is not None:
-        raise ApprovalRefused(f"{where} was already {decided_by(decided)}; nothing was recorded")
-    for waiting in waiting_of(await store.load(run_id), info.status):
-        if waiting.step_id == step_id and waiting.kind == "approval":
-            return waiting
-    raise ApprovalRefused(f"{where} is not awaiting approval")
-
-
-async def awaiting_resolution(store: Checkpointer, run_id: str, step_id: str) -> Waiting:
-    """The uncertain step a person is about to resolve, or a ``UsageError`` saying why not."""
-    info = await find_run(store, run_id)
-    events = await store.load(run_id)
-    base = step_ids.base(step_id)
-    if base not in index(events):
-        raise UsageError(f"run {run_id!r} has no step {step_id!r}; `asiento show` lists its steps")
-    await refuse_closed(store, run_id, "resolved")
-    for waiting in waiting_of(events, info.status):
-        if waiting.step_id == base and waiting.kind != "approval":
-            return waiting  # whether a session drives it, resolve() asks under the lease
-    raise UsageError(
-        f"run {run_id!r} step {step_id!r} is not uncertain (submitted with no recorded outcome)"
+        since=max(e.created_at for e in state.records.values()),
     )
 
 

@@ -805,3 +805,14 @@ async def test_a_closed_run_is_never_claimed(store: Checkpointer) -> None:
     await store.submit("run-1", "task")
     await closed_run(store)
     assert await store.claim(holder("w"), ttl=30) is None
+
+
+async def test_run_looks_one_run_up_by_id(store: Checkpointer) -> None:
+    """run() is the run's line in the index, as runs() lists it; None for an unknown run."""
+    await store.append(ev("m1", run_id="a"))
+    await store.submit("b", "task", agent="payer")
+    assert await store.run("a") == await info_of(store, "a")
+    found = await store.run("b")
+    assert found is not None
+    assert (found.task, found.agent, found.events) == ("task", "payer", 0)
+    assert await store.run("nope") is None

@@ -32,6 +32,7 @@ from .. import shutdown, views
 from ..decisions import abandon as abandon_run
 from ..decisions import approve as approve_step
 from ..decisions import deny as deny_step
+from ..decisions import pending_approval, pending_resolution
 from ..decisions import resolve as resolve_step
 from ..decisions import unpark as unpark_run
 from ..errors import AsientoError, UsageError
@@ -252,7 +253,7 @@ def approve(
     """
 
     async def job(journal: Checkpointer) -> views.Waiting:
-        waiting = await views.awaiting_decision(journal, run_id, step_id)
+        waiting = await pending_approval(journal, run_id, step_id)
         fp = fingerprint if fingerprint is not None else waiting.fingerprint
         await approve_step(journal, run_id, step_id, by=by, reason=reason, fingerprint=fp)
         return waiting
@@ -276,7 +277,7 @@ def deny(run_id: str, step_id: str, by: str, reason: str, store: str) -> None:
     """
 
     async def job(journal: Checkpointer) -> views.Waiting:
-        waiting = await views.awaiting_decision(journal, run_id, step_id)
+        waiting = await pending_approval(journal, run_id, step_id)
         fp = waiting.fingerprint
         await deny_step(journal, run_id, step_id, by=by, reason=reason, fingerprint=fp)
         return waiting
@@ -319,7 +320,7 @@ def resolve(
         raise CommandError("--remote-id names an effect that happened; drop it or say --happened")
 
     async def job(journal: Checkpointer) -> views.Waiting:
-        waiting = await views.awaiting_resolution(journal, run_id, step_id)
+        waiting = await pending_resolution(journal, run_id, step_id)
         await resolve_step(
             journal, run_id, step_id, happened=happened, by=by, remote_id=remote_id, reason=reason
         )

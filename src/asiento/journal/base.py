@@ -119,6 +119,10 @@ class Checkpointer(Protocol):
         """The runs this journal knows, oldest first, optionally of one status."""
         ...
 
+    async def run(self, run_id: str) -> RunInfo | None:
+        """One run's line in the index, looked up by its id; None for an unknown run."""
+        ...
+
     async def close(self) -> None:
         """Release the backend's connections."""
         ...

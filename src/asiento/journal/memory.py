@@ -210,5 +210,8 @@ class MemoryCheckpointer:
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
         return [r for r in self._runs.values() if status is None or r.status == status]
 
+    async def run(self, run_id: str) -> RunInfo | None:
+        return self._runs.get(run_id)
+
     async def close(self) -> None:
         return None

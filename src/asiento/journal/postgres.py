@@ -362,6 +362,10 @@ class PostgresCheckpointer:
             rows = await self._fetch(query, (RunStatus(status).value,))
         return [run_info(row) for row in rows]
 
+    async def run(self, run_id: str) -> RunInfo | None:
+        rows = await self._fetch(sql.SELECT_RUNS + " WHERE run_id = %s", (run_id,))
+        return run_info(rows[0]) if rows else None
+
     # -- connections and transactions ------------------------------------------------------
 
     async def _transact_once(self, work: Work[T]) -> T:

@@ -434,6 +434,13 @@ class SqliteCheckpointer:
             rows = self._db.execute(sql + " ORDER BY created_at, run_id", args).fetchall()
         return [run_info(row) for row in rows]
 
+    async def run(self, run_id: str) -> RunInfo | None:
+        with self._errors():
+            row = self._db.execute(
+                f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,)
+            ).fetchone()
+        return None if row is None else run_info(row)
+
     async def close(self) -> None:
         self._db.close()
 

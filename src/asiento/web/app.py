@@ -330,7 +330,6 @@ class Pages:
         reason = form.get("reason", "").strip()
         if not approved and not reason:
             raise _Refused(400, "A denial needs a reason: the model is told why. Nothing recorded.")
-        await fmt.awaiting_decision(self.store, run_id, step_id)
         write = approve if approved else deny
         await write(self.store, run_id, step_id, by=by, reason=reason, fingerprint=fp)
         return step_id
@@ -343,7 +342,6 @@ class Pages:
         remote_id = form.get("remote_id", "").strip() or None
         if remote_id is not None and not happened:
             raise _Refused(400, "A remote id names an effect that happened; nothing recorded.")
-        await fmt.awaiting_resolution(self.store, run_id, step_id)
         reason = form.get("reason", "").strip()
         await resolve(
             self.store,
