@@ -65,6 +65,16 @@ from .model import (
     ToolCall,
     check_response,
 )
+from .payloads import (
+    SUBMITTED,
+    Approval,
+    Final,
+    Intent,
+    ModelResult,
+    Outcome,
+    Payload,
+    Resolution,
+)
 from .policy import Policy, allow_all, ask_policy
 from .replay import Action, Records, StepState, decide, index, step_state
 from .session import Session
@@ -178,10 +188,11 @@ class _Pass:
             final = await self.store.final(self.run_id)
         except AsientoError:
             return None
-        if final is None or not final.payload.get("abandoned"):
+        closed = None if final is None else Final.from_json(final.payload)
+        if closed is None or not closed.abandoned:
             return None
         lost = {e.step_id for e in self.unrecorded if e.phase is Phase.RESULT}
-        text = str(final.payload.get("text") or "abandoned")
+        text = closed.text or "abandoned"
         return RunAbandoned(self.run_id, text, tuple(sorted(lost - {step_ids.FINAL})))
 
     async def _keep_what_happened(self) -> None:
@@ -199,13 +210,13 @@ class _Pass:
 
     def _closed(self, final: StepEvent) -> FinalStep:
         """A closed run answers with its recorded final step, and nothing else happens."""
-        payload = final.payload
+        closed = Final.from_json(final.payload)
         return FinalStep(
             run_id=self.run_id,
-            step_id=payload["step"],
-            text=payload["text"],
+            step_id=closed.step,
+            text=closed.text,
             replayed=True,
-            abandoned=bool(payload.get("abandoned")),
+            abandoned=closed.abandoned,
         )
 
     async def _walk(self) -> AsyncIterator[Step]:
@@ -264,19 +275,20 @@ class _Pass:
         return response
 
     def _replay_model(self, step_id: str, fp: str, recorded: StepEvent) -> ModelResponse:
-        if recorded.payload.get("fp") != fp:
+        result = ModelResult.from_json(recorded.payload)
+        if result.fp != fp:
             raise ReplayDivergence(
                 self.run_id,
                 step_id,
-                f"the recorded request has fingerprint {str(recorded.payload.get('fp'))[:12]}…, "
+                f"the recorded request has fingerprint {result.fp[:12]}…, "
                 f"the resumed run would send {fp[:12]}…",
             )
-        response = ModelResponse.from_json(recorded.payload["response"])
+        response = result.response
         if self._first_time(step_id):  # a second walk replays what this pass counted
             self.stats.model_calls_replayed += 1
             self.stats.input_tokens_saved += response.usage.input_tokens
             self.stats.output_tokens_saved += response.usage.output_tokens
-            self.stats.cost_saved += float(recorded.payload.get("cost") or 0.0)
+            self.stats.cost_saved += result.cost or 0.0
         return response
 
     def _first_time(self, step_id: str) -> bool:
@@ -299,19 +311,16 @@ class _Pass:
         self.stats.model_calls += 1
         self.stats.input_tokens += response.usage.input_tokens
         self.stats.output_tokens += response.usage.output_tokens
-        payload: dict[str, Any] = {"fp": fp, "response": response.to_json()}
         cost = cost_of(response.usage, response.model, self.session.prices)
-        if cost is not None:
-            payload["cost"] = cost
-            self.stats.cost += cost
-        self._record(step_id, Phase.RESULT, payload)
+        self.stats.cost += cost or 0.0
+        self._record(step_id, Phase.RESULT, ModelResult(fp=fp, response=response, cost=cost))
         self.waiting.append(
             ModelStep(run_id=self.run_id, step_id=step_id, response=response, idempotency_key=key)
         )
         return response
 
     async def _close(self, step_id: str, response: ModelResponse) -> None:
-        self._record(step_ids.FINAL, Phase.RESULT, {"step": step_id, "text": response.text})
+        self._record(step_ids.FINAL, Phase.RESULT, Final(step=step_id, text=response.text))
         self.waiting.append(FinalStep(run_id=self.run_id, step_id=step_id, text=response.text))
         await self._flush(RunStatus.CLOSED)
 
@@ -325,11 +334,10 @@ class _Pass:
         action = decide(records, idempotent=tool.idempotent if tool else True)
         if action is Action.FEED_RESULT:
             self.stats.tool_calls_replayed += self._first_time(step_id)
-            self._feed(call, records[Phase.RESULT].payload)
+            self._feed(call, Outcome.from_json(records[Phase.RESULT].payload))
         elif action is Action.FEED_RESOLUTION:
             self.stats.tool_calls_replayed += self._first_time(step_id)
-            resolution = records[Phase.RESOLUTION].payload
-            self._feed(call, {"status": "ok", "value": resolution.get("result")})
+            self._feed(call, Resolution.from_json(records[Phase.RESOLUTION].payload).as_outcome())
         elif action is Action.START:
             return await self._start(step_id, call, tool)
         elif action is Action.EXECUTE:
@@ -348,21 +356,20 @@ class _Pass:
 
     async def _start(self, step_id: str, call: ToolCall, tool: Tool | None) -> bool:
         args = dict(call.arguments)
-        payload: dict[str, Any] = {"tool": call.name, "args": args, "fp": fingerprint(args)[:32]}
+        frozen = Intent(tool=call.name, args=args, fp=fingerprint(args)[:32])
         problem, kwargs = _argument_problem(call, tool)
         if problem is not None or tool is None:
-            self._record(step_id, Phase.INTENT, payload)
-            self._result(step_id, call, Decision.ALLOW, {"status": "error", "error": problem})
+            self._record(step_id, Phase.INTENT, frozen)
+            self._result(step_id, call, Decision.ALLOW, Outcome.failed(str(problem)))
             return True
         decision = await ask_policy(self.agent.policy, call)
         if tool.effect is not None and decision is not Decision.DENY:
-            problem = _prepare(tool, self.run_id, step_id, payload)
-        intent = self._record(step_id, Phase.INTENT, payload, decision)
+            frozen, problem = _prepare(tool, self.run_id, step_id, frozen)
+        intent = self._record(step_id, Phase.INTENT, frozen, decision)
         if problem is not None:
-            self._result(step_id, call, decision, {"status": "error", "error": problem})
+            self._result(step_id, call, decision, Outcome.failed(problem))
         elif decision is Decision.DENY:
-            denial = {"status": "denied", "by": "policy", "reason": "denied by policy"}
-            self._result(step_id, call, decision, denial)
+            self._result(step_id, call, decision, Outcome.denied("policy", "denied by policy"))
         elif decision is Decision.REQUIRE_APPROVAL:
             await self._suspend(step_id, call, intent)
             return False
@@ -386,9 +393,9 @@ class _Pass:
         """Run the tool once, with its intent and submitted marker durable before it starts."""
         records, attempt_id = state.records, state.next_id
         attempts = state.attempt + (1 if Phase.SUBMITTED in records else 0)
-        self._record(attempt_id, Phase.SUBMITTED, {})
+        self._record(attempt_id, Phase.SUBMITTED, None)
         await self._flush()
-        intent = records[Phase.INTENT]
+        intent = Intent.from_json(records[Phase.INTENT].payload)
         where = StepContext(
             run_id=self.run_id, step_id=state.step_id, attempt_id=attempt_id, tool=call.name
         )
@@ -425,7 +432,9 @@ class _Pass:
         if how is Reconcile.UNCERTAIN:
             await self._uncertain(state, call, _why_uncertain(effect, age))
         if how is Reconcile.LOOKUP:
-            found = await effect.lookup(state.records[Phase.INTENT].payload["prepared"])
+            found = await effect.lookup(
+                Intent.from_json(state.records[Phase.INTENT].payload).prepared
+            )
             if found is not None:
                 decision = Decision.APPROVED if Phase.APPROVAL in state.records else Decision.ALLOW
                 outcome = _published(found, "lookup", state.attempt)
@@ -449,15 +458,14 @@ class _Pass:
     def _deny(self, step_id: str, call: ToolCall, records: Records) -> None:
         approval = records.get(Phase.APPROVAL)
         if approval is None:
-            denial = {"status": "denied", "by": "policy", "reason": "denied by policy"}
+            self._result(step_id, call, Decision.DENY, Outcome.denied("policy", "denied by policy"))
         else:
-            by, reason = approval.payload.get("by", ""), approval.payload.get("reason", "")
-            denial = {"status": "denied", "by": by, "reason": reason or f"denied by {by}"}
-        self._result(step_id, call, Decision.DENIED if approval else Decision.DENY, denial)
+            denial = Approval.from_json(approval.payload).as_outcome()
+            self._result(step_id, call, Decision.DENIED, denial)
 
     async def _suspend(self, step_id: str, call: ToolCall, intent: StepEvent) -> None:
-        fp = str(intent.payload.get("fp", ""))
-        prepared = intent.payload.get("prepared")
+        frozen = Intent.from_json(intent.payload)
+        fp, prepared = frozen.fp, frozen.prepared
         steps: list[Step] = [
             ToolStep(
                 run_id=self.run_id,
@@ -484,28 +492,27 @@ class _Pass:
         record_id: str,
         call: ToolCall,
         decision: Decision,
-        outcome: dict[str, Any],
+        outcome: Outcome,
         *,
         step_id: str | None = None,
     ) -> None:
         """Record an outcome under ``record_id`` (an attempt of ``step_id``) and feed it."""
         self._record(record_id, Phase.RESULT, outcome)
-        value = outcome.get("value", outcome.get("error", outcome.get("reason")))
         self.waiting.append(
             ToolStep(
                 run_id=self.run_id,
                 step_id=step_id or record_id,
                 call=call,
                 decision=decision,
-                status=outcome["status"],
-                result=value,
+                status=outcome.status,
+                result=outcome.shown,
             )
         )
         self._feed(call, outcome)
 
-    def _feed(self, call: ToolCall, outcome: Any) -> None:
+    def _feed(self, call: ToolCall, outcome: Outcome) -> None:
         self._add(
-            Message(role="tool", content=_tool_text(outcome), tool_call_id=call.id, name=call.name)
+            Message(role="tool", content=outcome.text(), tool_call_id=call.id, name=call.name)
         )
 
     # -- journal plumbing ----------------------------------------------------------
@@ -515,8 +522,9 @@ class _Pass:
         self.chain.add(message.to_json())
 
     def _record(
-        self, step_id: str, phase: Phase, payload: dict[str, Any], decision: Decision | None = None
+        self, step_id: str, phase: Phase, record: Payload | None, decision: Decision | None = None
     ) -> StepEvent:
+        payload = SUBMITTED if record is None else record.to_json()
         event = StepEvent(
             run_id=self.run_id, step_id=step_id, phase=phase, payload=payload, decision=decision
         )
@@ -568,47 +576,44 @@ def _argument_problem(
         return str(exc), None
 
 
-def _prepare(tool: Tool, run_id: str, step_id: str, intent: dict[str, Any]) -> str | None:
-    """Freeze the effect's payload and key into the intent; a problem is the step's outcome."""
+def _prepare(tool: Tool, run_id: str, step_id: str, intent: Intent) -> tuple[Intent, str | None]:
+    """The intent with the effect's payload and key frozen in it, or why it could not be
+    prepared (the step's outcome)."""
     assert tool.effect is not None
     try:
-        prepared = to_jsonable_python(tool.effect.prepare(**tool.validate(intent["args"])))
+        prepared = to_jsonable_python(tool.effect.prepare(**tool.validate(intent.args)))
         canonical_json(prepared)
     except EffectRejected as exc:
-        return f"refused while preparing: {exc}"
+        return intent, f"refused while preparing: {exc}"
     except Exception as exc:
-        return f"prepare failed: {type(exc).__name__}: {exc}"
-    intent["prepared"] = prepared
-    intent["idem_key"] = idem_key(run_id, step_id, prepared)
-    intent["fp"] = fingerprint({"args": intent["args"], "prepared": prepared})[:32]
-    return None
+        return intent, f"prepare failed: {type(exc).__name__}: {exc}"
+    key = idem_key(run_id, step_id, prepared)
+    fp = fingerprint({"args": intent.args, "prepared": prepared})[:32]
+    return replace(intent, fp=fp, prepared=prepared, idem_key=key), None
 
 
-async def _invoke(
-    tool: Tool, intent: StepEvent, kwargs: dict[str, Any] | None = None
-) -> dict[str, Any]:
+async def _invoke(tool: Tool, intent: Intent, kwargs: dict[str, Any] | None = None) -> Outcome:
     """Call a plain tool (``kwargs``: its arguments, validated already); whatever it
     raises is its recorded outcome."""
     try:
         if kwargs is None:
-            return _ok(await tool.invoke(intent.payload["args"]))
+            return _ok(await tool.invoke(intent.args))
         return _ok(await tool.call_validated(kwargs))
     except ToolArgumentsError as exc:
-        return {"status": "error", "error": str(exc)}
+        return Outcome.failed(str(exc))
     except Exception as exc:
-        return {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
+        return Outcome.failed(f"{type(exc).__name__}: {exc}")
 
 
-async def _publish(effect: Effect, intent: StepEvent, via: str, attempts: int) -> dict[str, Any]:
+async def _publish(effect: Effect, intent: Intent, via: str, attempts: int) -> Outcome:
     """Publish the frozen payload under the frozen key. Only a refusal is an outcome:
 
     any other exception leaves the step submitted, to be reconciled on resume.
     """
-    payload, key = intent.payload["prepared"], intent.payload["idem_key"]
     try:
-        published = await effect.publish(payload, key)
+        published = await effect.publish(intent.prepared, str(intent.idem_key))
     except EffectRejected as exc:
-        return {"status": "error", "error": f"refused: {exc}", "attempts": attempts}
+        return Outcome.failed(f"refused: {exc}", attempts=attempts)
     crash_point("after_publish")
     if not isinstance(published, Published):
         raise UsageError(
@@ -617,13 +622,13 @@ async def _publish(effect: Effect, intent: StepEvent, via: str, attempts: int) -
     return _published(published, via, attempts)
 
 
-def _published(published: Published, via: str, attempts: int) -> dict[str, Any]:
+def _published(published: Published, via: str, attempts: int) -> Outcome:
     outcome = published.outcome(via, attempts)
     try:
-        outcome["value"] = to_jsonable_python(outcome["value"])
-        canonical_json(outcome)
+        outcome = replace(outcome, value=to_jsonable_python(outcome.value))
+        canonical_json(outcome.to_json())
     except Exception:
-        outcome["value"] = {"remote_id": published.remote_id}
+        outcome = replace(outcome, value={"remote_id": published.remote_id})
     return outcome
 
 
@@ -634,7 +639,7 @@ def _why_uncertain(effect: Effect, age: float | None) -> str:
     return "Its destination does not honour idempotency keys and it has no lookup."
 
 
-def _ok(value: Any) -> dict[str, Any]:
+def _ok(value: Any) -> Outcome:
     """A tool's return value as a recorded outcome; what is not JSON is a recorded failure.
 
     Dataclasses and pydantic models become objects; sets are refused, because
@@ -644,7 +649,7 @@ def _ok(value: Any) -> dict[str, Any]:
     if type(value) is str and len(value) * 6 < MAX_RECORD_BYTES - 1024:
         try:  # the usual result, checked without serialising it (at most 6 bytes a char)
             value.encode()
-            return {"status": "ok", "value": value}
+            return Outcome.ok(value)
         except UnicodeEncodeError:
             pass  # a lone surrogate: the general path below words the failure
     if (unstable := unstable_part(value, "result")) is not None:
@@ -659,22 +664,11 @@ def _ok(value: Any) -> dict[str, Any]:
         return _unrecordable("it is nested too deeply to be serialised (RecursionError)")
     except Exception as exc:
         return _unrecordable(f"{type(exc).__name__}: {exc}")
-    return {"status": "ok", "value": jsonable}
+    return Outcome.ok(jsonable)
 
 
-def _unrecordable(reason: str) -> dict[str, Any]:
-    return {"status": "error", "error": f"the tool's result cannot be recorded ({reason[:500]})"}
-
-
-def _tool_text(outcome: Any) -> str:
-    """What the model reads for a tool outcome."""
-    status = outcome.get("status")
-    if status == "ok":
-        value = outcome.get("value")
-        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-    if status == "denied":
-        return f"denied: {outcome.get('reason', '')}"
-    return f"error: {outcome.get('error', '')}"
+def _unrecordable(reason: str) -> Outcome:
+    return Outcome.failed(f"the tool's result cannot be recorded ({reason[:500]})")
 
 
 def _with_call_ids(response: ModelResponse, step_id: str) -> ModelResponse:

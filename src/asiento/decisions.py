@@ -26,6 +26,7 @@ from .errors import (
 from .events import Decision, Lease, Phase, RunStatus, StepEvent
 from .journal.base import Checkpointer, check_id
 from .lease import Holder
+from .payloads import Approval, Final, Resolution
 from .replay import Journal, Waits, index, same_fingerprint, step_state, waits_for
 from .views import Waiting, decided_by, find_run, waiting
 
@@ -95,7 +96,7 @@ async def _decide(
         step_id=pending.step_id,
         phase=Phase.APPROVAL,
         decision=Decision.APPROVED if approved else Decision.DENIED,
-        payload={"approved": approved, "by": by, "reason": reason, "fp": frozen},
+        payload=Approval(approved=approved, by=by, reason=reason, fp=frozen).to_json(),
     )
     crash_point("during_approval")
     try:  # no lease needed: a pass replaying meanwhile does not overwrite the decision
@@ -127,9 +128,13 @@ async def resolve(
     """
     if not isinstance(happened, bool):
         raise UsageError("resolve(happened=...) takes True or False")
-    payload = {"happened": happened, "by": by, "reason": reason, "remote_id": remote_id}
-    if happened:
-        payload["result"] = result if result is not None else {"remote_id": remote_id}
+    found = Resolution(
+        happened=happened,
+        by=by,
+        reason=reason,
+        remote_id=remote_id,
+        result=(result if result is not None else {"remote_id": remote_id}) if happened else None,
+    )
     await pending_resolution(store, run_id, step_id)
     # The run's lease, taken for this one write: a session still driving the run may
     # record the step's own outcome yet (RunLocked), and a stale one writes nothing after.
@@ -137,7 +142,10 @@ async def resolve(
         pending = await pending_resolution(store, run_id, step_id)  # as it is under the lease
         where = f"run {run_id!r} step {pending.step_id!r}"
         event = StepEvent(
-            run_id=run_id, step_id=pending.record_id, phase=Phase.RESOLUTION, payload=payload
+            run_id=run_id,
+            step_id=pending.record_id,
+            phase=Phase.RESOLUTION,
+            payload=found.to_json(),
         )
         try:
             await store.append(event, status=RunStatus.RUNNING, lease=lease)
@@ -159,12 +167,12 @@ async def pending_approval(store: Checkpointer, run_id: str, step_id: str) -> Wa
     journal = await _journal_of(store, run_id, step_id, refused=ApprovalRefused)
     state = step_state(journal, step_ids.base(step_id))
     where = f"run {run_id!r} step {state.step_id!r}"
+    _refuse_closed(journal, run_id, "approved or denied")
     decided = state.records.get(Phase.APPROVAL)
     if decided is not None:
         raise ApprovalRefused(f"{where} was already {decided_by(decided)}; nothing was recorded")
     if waits_for(state.records) is not Waits.APPROVAL:
         raise ApprovalRefused(f"{where} is not awaiting approval")
-    _refuse_closed(journal, run_id, "approved or denied")
     return waiting(state, Waits.APPROVAL)
 
 
@@ -172,11 +180,11 @@ async def pending_resolution(store: Checkpointer, run_id: str, step_id: str) -> 
     """The step a person is about to resolve (submitted, no outcome), or why they cannot."""
     journal = await _journal_of(store, run_id, step_id)
     state = step_state(journal, step_ids.base(step_id))
+    _refuse_closed(journal, run_id, "resolved")
     if waits_for(state.records, uncertain=True) is not Waits.RESOLUTION:
         raise UsageError(
             f"run {run_id!r} step {step_id!r} is not uncertain (submitted with no recorded outcome)"
         )
-    _refuse_closed(journal, run_id, "resolved")
     return waiting(state, Waits.RESOLUTION)
 
 
@@ -225,15 +233,16 @@ async def abandon(store: Checkpointer, run_id: str, *, by: str, reason: str) -> 
     await find_run(store, run_id)
     if await store.final(run_id) is not None:
         raise RunClosed(f"run {run_id!r} is closed already; nothing recorded")
-    text = f"abandoned by {by}: {reason}"
-    payload = {"step": "abandoned", "text": text, "abandoned": True, "by": by, "reason": reason}
-    event = StepEvent(run_id=run_id, step_id=step_ids.FINAL, phase=Phase.RESULT, payload=payload)
+    closing = Final.abandoning(by, reason)
+    event = StepEvent(
+        run_id=run_id, step_id=step_ids.FINAL, phase=Phase.RESULT, payload=closing.to_json()
+    )
     async with _holding(store, run_id, force=True) as lease:
         try:
             await store.append(event, status=RunStatus.CLOSED, lease=lease)
         except DuplicateRecord:
             raise RunClosed(f"run {run_id!r} is closed already; nothing recorded") from None
-        await store.set_status(run_id, RunStatus.CLOSED, reason=text, lease=lease)
+        await store.set_status(run_id, RunStatus.CLOSED, reason=closing.text, lease=lease)
     return event
 
 

@@ -29,6 +29,7 @@ from enum import StrEnum
 from . import step_ids
 from .errors import ApprovalMismatch, JournalCorrupt
 from .events import Decision, Phase, StepEvent
+from .payloads import Approval, Intent, Resolution
 
 Records = Mapping[Phase, StepEvent]
 # A timeline as ``index`` gives it: step id -> phase -> record.
@@ -70,13 +71,14 @@ def decide(records: Records, *, idempotent: bool) -> Action:
         return Action.EXECUTE
     resolution = records.get(Phase.RESOLUTION)
     if resolution is not None:
-        return Action.FEED_RESOLUTION if resolution.payload.get("happened") else Action.EXECUTE
+        found = Resolution.from_json(resolution.payload)
+        return Action.FEED_RESOLUTION if found.happened else Action.EXECUTE
     return Action.EXECUTE if idempotent else Action.UNCERTAIN
 
 
 def check_approval(intent: StepEvent, approval: StepEvent) -> None:
     """An approval approves exactly the frozen arguments it was shown, or nothing."""
-    shown, frozen = approval.payload.get("fp"), intent.payload.get("fp")
+    shown, frozen = Approval.from_json(approval.payload).fp, Intent.from_json(intent.payload).fp
     if not same_fingerprint(shown, frozen):
         raise ApprovalMismatch(
             f"run {intent.run_id!r} step {intent.step_id!r}: the recorded approval was given for "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -23,6 +23,16 @@ from .effects.records import EffectRecord, effect_records_of
 from .errors import UsageError
 from .events import Decision, Phase, RunInfo, RunStatus, StepEvent
 from .journal.base import Checkpointer
+from .model import ModelResponse
+from .payloads import (
+    Approval,
+    Final,
+    Intent,
+    ModelResult,
+    Outcome,
+    Resolution,
+    is_model_result,
+)
 from .replay import StepState, Waits, index, step_state, waits_for
 
 SUMMARY_WIDTH = 90
@@ -91,17 +101,17 @@ def waiting_of(events: Sequence[StepEvent], status: RunStatus) -> list[Waiting]:
 
 def waiting(state: StepState, kind: Waits) -> Waiting:
     """A step as a person sees it while it waits for ``kind``."""
-    payload = state.records[Phase.INTENT].payload
+    intent = Intent.from_json(state.records[Phase.INTENT].payload)
     return Waiting(
         run_id=state.records[Phase.INTENT].run_id,
         step_id=state.step_id,
         record_id=state.current_id,
         kind=kind,
-        tool=str(payload.get("tool", "")),
-        args=payload.get("args", {}),
-        fingerprint=str(payload.get("fp", "")),
-        prepared=payload.get("prepared"),
-        idem_key=payload.get("idem_key"),
+        tool=intent.tool,
+        args=intent.args,
+        fingerprint=intent.fp,
+        prepared=intent.prepared,
+        idem_key=intent.idem_key,
         attempts=state.attempt if Phase.SUBMITTED in state.records else state.attempt - 1,
         since=max(e.created_at for e in state.records.values()),
     )
@@ -110,9 +120,9 @@ def waiting(state: StepState, kind: Waits) -> Waiting:
 def decided_by(approval: StepEvent) -> str:
     """``approved by ana at 12:00:01 (reason)``, from an approval record."""
     verb = "approved" if approval.decision == Decision.APPROVED else "denied"
-    who = approval.payload.get("by") or "someone"
-    why = approval.payload.get("reason")
-    return f"{verb} by {who} at {when(approval.created_at)}" + (f" ({why})" if why else "")
+    decided = Approval.from_json(approval.payload)
+    why = f" ({decided.reason})" if decided.reason else ""
+    return f"{verb} by {decided.by or 'someone'} at {when(approval.created_at)}{why}"
 
 
 def call_lines(waiting: Waiting) -> str:
@@ -134,57 +144,55 @@ def summary(event: StepEvent) -> str:
     """What a record says, on one line, for a person (the JSON has everything)."""
     payload = event.payload
     if event.step_id == step_ids.FINAL:
-        return f"closed after {payload.get('step')}: {_text(payload.get('text'))}"
-    if event.phase == Phase.RESULT and "response" in payload:
-        return _model_summary(payload["response"])
+        closed = Final.from_json(payload)
+        return f"closed after {closed.step}: {_text(closed.text)}"
+    if event.phase == Phase.RESULT and is_model_result(payload):
+        return _model_summary(ModelResult.from_json(payload).response)
     if event.phase == Phase.INTENT:
-        return _call(payload.get("tool"), payload.get("args")) + _key(payload)
+        intent = Intent.from_json(payload)
+        key = f" key={intent.idem_key}" if intent.idem_key else ""
+        return _call(intent.tool, intent.args) + key
     if event.phase == Phase.APPROVAL:
         return decided_by(event)
     if event.phase == Phase.SUBMITTED:
         return "submitted: made durable just before the tool ran"
     if event.phase == Phase.RESOLUTION:
-        return _resolution_summary(payload)
-    return _result_summary(payload)
+        return _resolution_summary(Resolution.from_json(payload))
+    return _outcome_summary(Outcome.from_json(payload))
 
 
-def _model_summary(response: Mapping[str, Any]) -> str:
-    calls = [_call(c.get("name"), c.get("arguments")) for c in response.get("tool_calls", ())]
-    said = f"says {_text(response.get('text'))}" if response.get("text") else ""
+def _model_summary(response: ModelResponse) -> str:
+    calls = [_call(c.name, c.arguments) for c in response.tool_calls]
+    said = f"says {_text(response.text)}" if response.text else ""
     asks = f"asks {', '.join(calls)}" if calls else ""
-    usage = response.get("usage")
-    read, written = response.get("cache", (0, 0))
+    usage = response.usage
+    read, written = usage.cached_input_tokens, usage.cache_write_tokens
     cached = f", {read} from cache" if read else ""
     cached += f", {written} written to cache" if written else ""
-    tokens = f" [{usage[0]}+{usage[1]} tokens{cached}]" if usage else ""
+    tokens = f" [{usage.input_tokens}+{usage.output_tokens} tokens{cached}]"
     return "; ".join(part for part in (said, asks) if part) + tokens
 
 
-def _result_summary(payload: Mapping[str, Any]) -> str:
-    status = payload.get("status")
-    remote = f" remote_id={payload['remote_id']}" if payload.get("remote_id") else ""
-    if status == "ok":
-        return f"ok: {inline_json(payload.get('value'))}{remote}"
-    if status == "denied":
-        return f"denied by {payload.get('by')}: {payload.get('reason')}"
-    return f"{status}: {payload.get('error')}"
+def _outcome_summary(outcome: Outcome) -> str:
+    remote = f" remote_id={outcome.remote_id}" if outcome.remote_id else ""
+    if outcome.status == "ok":
+        return f"ok: {inline_json(outcome.value)}{remote}"
+    if outcome.status == "denied":
+        return f"denied by {outcome.by}: {outcome.reason}"
+    return f"error: {outcome.error}"
 
 
-def _resolution_summary(payload: Mapping[str, Any]) -> str:
-    who = payload.get("by") or "someone"
-    why = f" ({payload['reason']})" if payload.get("reason") else ""
-    if payload.get("happened"):
-        remote = f", remote_id={payload['remote_id']}" if payload.get("remote_id") else ""
+def _resolution_summary(found: Resolution) -> str:
+    who = found.by or "someone"
+    why = f" ({found.reason})" if found.reason else ""
+    if found.happened:
+        remote = f", remote_id={found.remote_id}" if found.remote_id else ""
         return f"a person found it happened{remote}: {who}{why}"
     return f"a person found it did not happen (it runs once more): {who}{why}"
 
 
 def _call(name: Any, args: Any) -> str:
     return f"{name}({inline_json(args)})"
-
-
-def _key(payload: Mapping[str, Any]) -> str:
-    return f" key={payload['idem_key']}" if payload.get("idem_key") else ""
 
 
 def _text(value: Any) -> str:

@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import AsientoError, RunError, UsageError
+from ..payloads import Outcome
 
 if TYPE_CHECKING:
     from ..tools import Tool
@@ -28,15 +29,10 @@ class Published:
     remote_id: str | None = None
     result: Any = None
 
-    def outcome(self, via: str, attempts: int) -> dict[str, Any]:
+    def outcome(self, via: str, attempts: int) -> Outcome:
+        """The step's recorded outcome: published ``via`` publish, republish or lookup."""
         value = self.result if self.result is not None else {"remote_id": self.remote_id}
-        return {
-            "status": "ok",
-            "value": value,
-            "remote_id": self.remote_id,
-            "via": via,
-            "attempts": attempts,
-        }
+        return Outcome.published(value, remote_id=self.remote_id, via=via, attempts=attempts)
 
 
 class EffectRejected(AsientoError):

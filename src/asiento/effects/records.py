@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..events import Phase, StepEvent
 from ..journal.base import Checkpointer
+from ..payloads import Intent, Outcome, Resolution
 from ..replay import Records, index, step_state
 
 
@@ -29,11 +30,12 @@ def effect_records_of(events: Sequence[StepEvent]) -> list[EffectRecord]:
     journal = index(events)
     records = []
     for step_id, phases in journal.items():
-        intent = phases.get(Phase.INTENT)
-        if intent is None or "idem_key" not in intent.payload:
+        recorded = phases.get(Phase.INTENT)
+        intent = None if recorded is None else Intent.from_json(recorded.payload)
+        if recorded is None or intent is None or not intent.is_effect:
             continue
         state = step_state(journal, step_id)
-        records.append(_record(intent, state.records, state.attempt))
+        records.append(_record(recorded, intent, state.records, state.attempt))
     return records
 
 
@@ -42,25 +44,28 @@ async def effect_records(store: Checkpointer, run_id: str) -> list[EffectRecord]
     return effect_records_of(await store.load(run_id))
 
 
-def _record(intent: StepEvent, phases: Records, attempt: int) -> EffectRecord:
+def _record(recorded: StepEvent, intent: Intent, phases: Records, attempt: int) -> EffectRecord:
     result = phases.get(Phase.RESULT)
     resolution = phases.get(Phase.RESOLUTION)
+    found = None if resolution is None else Resolution.from_json(resolution.payload)
     submitted = Phase.SUBMITTED in phases
     remote_id = None
     if result is not None:
-        status = "confirmed" if result.payload.get("status") == "ok" else "failed"
-        remote_id = result.payload.get("remote_id")
-    elif resolution is not None and resolution.payload.get("happened"):
-        status, remote_id = "confirmed", resolution.payload.get("remote_id")
+        outcome = Outcome.from_json(result.payload)
+        status = "confirmed" if outcome.status == "ok" else "failed"
+        remote_id = outcome.remote_id
+    elif found is not None and found.happened:
+        status, remote_id = "confirmed", found.remote_id
     else:
         status = "submitted" if submitted else "prepared"
     latest = max(e.created_at for e in phases.values())
+    key = str(intent.idem_key)
     return EffectRecord(
-        run_id=intent.run_id,
-        step_id=intent.step_id,
-        idem_key=intent.payload["idem_key"],
+        run_id=recorded.run_id,
+        step_id=recorded.step_id,
+        idem_key=key,
         status=status,
-        params_hash=intent.payload["idem_key"].rsplit(":", 1)[-1],
+        params_hash=key.rsplit(":", 1)[-1],
         remote_id=remote_id,
         attempts=attempt if submitted else attempt - 1,
         updated_at=latest,

@@ -14,6 +14,7 @@ from .._canonical import compact_encoder
 from ..errors import JournalCorrupt, LeaseLost, RecordTooLarge, RunClosed, RunLocked, UsageError
 from ..events import Claim, Decision, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder, is_dead_here
+from ..payloads import usage_of
 
 
 @runtime_checkable
@@ -228,16 +229,9 @@ def counts_of(events: Sequence[StepEvent]) -> dict[str, Any]:
         phase = event.phase
         if phase == "intent":
             tools += 1
-        elif phase == "result":
-            response = event.payload.get("response")
-            if isinstance(response, dict):
-                calls += 1
-                usage = response.get("usage", (0, 0))
-                inp, out = inp + int(usage[0]), out + int(usage[1])
-                cache = response.get("cache")
-                if cache:
-                    cread, cwrite = cread + int(cache[0]), cwrite + int(cache[1])
-                cost += float(event.payload.get("cost") or 0.0)
+        elif phase == "result" and (paid := usage_of(event.payload)) is not None:
+            calls, inp, out = calls + 1, inp + paid[0], out + paid[1]
+            cread, cwrite, cost = cread + paid[2], cwrite + paid[3], cost + paid[4]
     return {
         "calls": calls, "inp": inp, "out": out, "cost": cost, "tools": tools,
         "cread": cread, "cwrite": cwrite,

@@ -52,7 +52,7 @@ def _no_write_ahead(postgres: bool) -> None:
             self.pending.remove(event)  # the bug: the effect starts with no write-ahead
         return event
 
-    agent._Pass._record = record  # type: ignore[method-assign]
+    agent._Pass._record = record  # type: ignore[method-assign,assignment]
 
 
 def _no_fencing(postgres: bool) -> None:
