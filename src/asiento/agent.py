@@ -7,33 +7,19 @@ tool runs, and the tool result before the next model call depends on it.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
 
-from pydantic_core import to_jsonable_python
-
 from . import context, shutdown, step_ids
 from ._canonical import (
     FingerprintChain,
-    canonical_json,
     fingerprint,
-    idem_key,
     model_key,
-    unstable_part,
 )
 from ._crash import crash_point
 from .context import StepContext
-from .effects.base import (
-    Effect,
-    EffectRejected,
-    Published,
-    Reconcile,
-    distrust_key,
-    reconcile,
-)
 from .errors import (
     AsientoError,
     LeaseLost,
@@ -55,7 +41,6 @@ from .events import (
     StepEvent,
     ToolStep,
 )
-from .journal.base import MAX_RECORD_BYTES
 from .ledger import cost_of
 from .model import (
     ConversationPrefix,
@@ -78,7 +63,7 @@ from .payloads import (
 from .policy import Policy, allow_all, ask_policy
 from .replay import Action, Records, StepState, decide, index, step_state
 from .session import Session
-from .tools import Tool, ToolArgumentsError
+from .tools import Found, PrepareFailed, Tool, ToolArgumentsError, Unknown
 
 log = logging.getLogger("asiento")
 
@@ -348,10 +333,10 @@ class _Pass:
         elif action is Action.AWAIT_APPROVAL:
             await self._suspend(step_id, call, records[Phase.INTENT])
             return False
-        elif tool is not None and tool.effect is not None:
-            await self._reconcile(state, call, tool, tool.effect)
-        else:
+        elif tool is None:
             await self._uncertain(state, call, "")
+        else:
+            await self._reconcile(state, call, tool)
         return True
 
     async def _start(self, step_id: str, call: ToolCall, tool: Tool | None) -> bool:
@@ -363,8 +348,11 @@ class _Pass:
             self._result(step_id, call, Decision.ALLOW, Outcome.failed(str(problem)))
             return True
         decision = await ask_policy(self.agent.policy, call)
-        if tool.effect is not None and decision is not Decision.DENY:
-            frozen, problem = _prepare(tool, self.run_id, step_id, frozen)
+        if decision is not Decision.DENY:
+            try:
+                frozen = tool.runner.prepare(tool, self.run_id, step_id, frozen)
+            except PrepareFailed as exc:
+                problem = str(exc)
         intent = self._record(step_id, Phase.INTENT, frozen, decision)
         if problem is not None:
             self._result(step_id, call, decision, Outcome.failed(problem))
@@ -374,7 +362,7 @@ class _Pass:
             await self._suspend(step_id, call, intent)
             return False
         else:
-            if tool.effect is not None:
+            if tool.runner.prepares:  # what it prepared is durable before it executes
                 await self._flush()
                 crash_point("after_prepare")
             state = StepState(step_id, 1, {Phase.INTENT: intent})
@@ -401,10 +389,7 @@ class _Pass:
         )
         token = context.enter(where)
         try:
-            if tool.effect is not None:
-                outcome = await _publish(tool.effect, intent, via, attempts)
-            else:
-                outcome = await _invoke(tool, intent, kwargs)
+            outcome = await tool.runner.execute(tool, intent, kwargs, via=via, attempts=attempts)
         finally:
             context.leave(token)
         self.stats.tool_calls += 1
@@ -413,34 +398,22 @@ class _Pass:
         decision = Decision.APPROVED if Phase.APPROVAL in records else Decision.ALLOW
         self._result(attempt_id, call, decision, outcome, step_id=state.step_id)
 
-    async def _reconcile(
-        self, state: StepState, call: ToolCall, tool: Tool, effect: Effect
-    ) -> None:
-        """Submitted, no outcome: a live key, then a lookup, else a person.
+    async def _reconcile(self, state: StepState, call: ToolCall, tool: Tool) -> None:
+        """Submitted, no outcome, not idempotent: what the tool's runner can settle, or a person.
 
-        The key's age is the store's: on PostgreSQL the server's clock judges when the
-        step was first submitted, so no client's clock can make an old key look fresh.
+        The step's age is the store's: on PostgreSQL the server's clock judges when it
+        was first submitted, so no client's clock can make an old key look fresh.
         """
+        intent = Intent.from_json(state.records[Phase.INTENT].payload)
         age = await self.store.age(self.run_id, state.step_id, Phase.SUBMITTED)
-        how = reconcile(
-            honours_keys=effect.honours_keys,
-            key_ttl=effect.key_ttl,
-            has_lookup=effect.has_lookup,
-            age=age,
-            key_margin=effect.key_margin,
-        )
-        if how is Reconcile.UNCERTAIN:
-            await self._uncertain(state, call, _why_uncertain(effect, age))
-        if how is Reconcile.LOOKUP:
-            found = await effect.lookup(
-                Intent.from_json(state.records[Phase.INTENT].payload).prepared
-            )
-            if found is not None:
-                decision = Decision.APPROVED if Phase.APPROVAL in state.records else Decision.ALLOW
-                outcome = _published(found, "lookup", state.attempt)
-                self._result(state.current_id, call, decision, outcome, step_id=state.step_id)
-                return
-        await self._execute(state, call, tool, via=how.value)
+        settled = await tool.runner.reconcile(tool, intent, age=age, attempts=state.attempt)
+        if isinstance(settled, Unknown):
+            await self._uncertain(state, call, settled.why)
+        elif isinstance(settled, Found):
+            decision = Decision.APPROVED if Phase.APPROVAL in state.records else Decision.ALLOW
+            self._result(state.current_id, call, decision, settled.outcome, step_id=state.step_id)
+        else:
+            await self._execute(state, call, tool, via=settled.via)
 
     async def _uncertain(self, state: StepState, call: ToolCall, detail: str) -> None:
         await self._flush()
@@ -574,101 +547,6 @@ def _argument_problem(
         return None, tool.validate(call.arguments)
     except ToolArgumentsError as exc:
         return str(exc), None
-
-
-def _prepare(tool: Tool, run_id: str, step_id: str, intent: Intent) -> tuple[Intent, str | None]:
-    """The intent with the effect's payload and key frozen in it, or why it could not be
-    prepared (the step's outcome)."""
-    assert tool.effect is not None
-    try:
-        prepared = to_jsonable_python(tool.effect.prepare(**tool.validate(intent.args)))
-        canonical_json(prepared)
-    except EffectRejected as exc:
-        return intent, f"refused while preparing: {exc}"
-    except Exception as exc:
-        return intent, f"prepare failed: {type(exc).__name__}: {exc}"
-    key = idem_key(run_id, step_id, prepared)
-    fp = fingerprint({"args": intent.args, "prepared": prepared})[:32]
-    return replace(intent, fp=fp, prepared=prepared, idem_key=key), None
-
-
-async def _invoke(tool: Tool, intent: Intent, kwargs: dict[str, Any] | None = None) -> Outcome:
-    """Call a plain tool (``kwargs``: its arguments, validated already); whatever it
-    raises is its recorded outcome."""
-    try:
-        if kwargs is None:
-            return _ok(await tool.invoke(intent.args))
-        return _ok(await tool.call_validated(kwargs))
-    except ToolArgumentsError as exc:
-        return Outcome.failed(str(exc))
-    except Exception as exc:
-        return Outcome.failed(f"{type(exc).__name__}: {exc}")
-
-
-async def _publish(effect: Effect, intent: Intent, via: str, attempts: int) -> Outcome:
-    """Publish the frozen payload under the frozen key. Only a refusal is an outcome:
-
-    any other exception leaves the step submitted, to be reconciled on resume.
-    """
-    try:
-        published = await effect.publish(intent.prepared, str(intent.idem_key))
-    except EffectRejected as exc:
-        return Outcome.failed(f"refused: {exc}", attempts=attempts)
-    crash_point("after_publish")
-    if not isinstance(published, Published):
-        raise UsageError(
-            f"{type(effect).__name__}.publish() must return Published, got {published!r}"
-        )
-    return _published(published, via, attempts)
-
-
-def _published(published: Published, via: str, attempts: int) -> Outcome:
-    outcome = published.outcome(via, attempts)
-    try:
-        outcome = replace(outcome, value=to_jsonable_python(outcome.value))
-        canonical_json(outcome.to_json())
-    except Exception:
-        outcome = replace(outcome, value={"remote_id": published.remote_id})
-    return outcome
-
-
-def _why_uncertain(effect: Effect, age: float | None) -> str:
-    if effect.honours_keys:
-        why = distrust_key(age=age, key_ttl=effect.key_ttl, key_margin=effect.key_margin)
-        return f"{why} It has no lookup."
-    return "Its destination does not honour idempotency keys and it has no lookup."
-
-
-def _ok(value: Any) -> Outcome:
-    """A tool's return value as a recorded outcome; what is not JSON is a recorded failure.
-
-    Dataclasses and pydantic models become objects; sets are refused, because
-    their order differs between processes and the journal must not depend on it,
-    and so is a value that contains itself, naming where.
-    """
-    if type(value) is str and len(value) * 6 < MAX_RECORD_BYTES - 1024:
-        try:  # the usual result, checked without serialising it (at most 6 bytes a char)
-            value.encode()
-            return Outcome.ok(value)
-        except UnicodeEncodeError:
-            pass  # a lone surrogate: the general path below words the failure
-    if (unstable := unstable_part(value, "result")) is not None:
-        return _unrecordable(unstable)
-    try:
-        jsonable = to_jsonable_python(value)
-        size = len(canonical_json(jsonable))
-        json.dumps(jsonable, ensure_ascii=False).encode()  # lone surrogates cannot be sent
-        if size > MAX_RECORD_BYTES - 1024:
-            raise ValueError(f"{size:,} bytes, over the journal's limit of {MAX_RECORD_BYTES:,}")
-    except RecursionError:
-        return _unrecordable("it is nested too deeply to be serialised (RecursionError)")
-    except Exception as exc:
-        return _unrecordable(f"{type(exc).__name__}: {exc}")
-    return Outcome.ok(jsonable)
-
-
-def _unrecordable(reason: str) -> Outcome:
-    return Outcome.failed(f"the tool's result cannot be recorded ({reason[:500]})")
 
 
 def _with_call_ids(response: ModelResponse, step_id: str) -> ModelResponse:

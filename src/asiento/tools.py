@@ -1,6 +1,14 @@
 """``@tool``: a Python function the model may call, with a schema from its type hints.
 
 Non-idempotent is the default: a tool must declare itself safe to repeat.
+
+Every kind of tool carries out its steps through one protocol, ``Runner``:
+``prepare`` freezes what the step will do into its intent, ``execute`` does it
+once, ``reconcile`` decides what a step submitted with no recorded outcome may do
+next. A plain function is the trivial case (``FunctionRunner``); an effect
+(``asiento.effects.Effect``) prepares a payload and an idempotency key, publishes
+it and reconciles by key or lookup; other kinds of tools (MCP tools, another
+framework's) bring their own runner. The loop walks the same path for all.
 """
 
 from __future__ import annotations
@@ -15,21 +23,128 @@ import re
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, get_type_hints, overload
+from typing import Any, Protocol, get_type_hints, overload
 
 import pydantic
 
+from . import outcomes
 from .errors import AsientoError, UsageError
 from .model import ToolSchema
-
-if TYPE_CHECKING:
-    from .effects.base import Effect
+from .payloads import Intent, Outcome
 
 ToolFunction = Callable[..., Any]
 
 
 class ToolArgumentsError(AsientoError, ValueError):
     """The model's arguments do not fit the tool's signature."""
+
+
+class PrepareFailed(Exception):
+    """A runner could not prepare the step: the message is the step's recorded outcome."""
+
+
+@dataclass(frozen=True, slots=True)
+class Again:
+    """Reconciled: execute the step again, as a new attempt (``via`` says how)."""
+
+    via: str
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """Reconciled: the step's outcome was found where it happened (a lookup)."""
+
+    outcome: Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class Unknown:
+    """Reconciled: nobody can tell whether it happened; ``why`` says what was missing."""
+
+    why: str = ""
+
+
+Reconciled = Again | Found | Unknown
+
+
+class Runner(Protocol):
+    """How a kind of tool carries out its steps: the one path the loop walks for all.
+
+    ``prepares``: whether ``prepare`` freezes something ``execute`` depends on, so the
+    intent is made durable before the step executes (as an effect's payload is).
+    """
+
+    prepares: bool
+
+    def prepare(self, tool: Tool, run_id: str, step_id: str, intent: Intent) -> Intent:
+        """The intent with what the execution needs frozen in it; ``PrepareFailed`` if
+        it cannot be prepared (the step's outcome, nothing runs)."""
+        ...
+
+    async def execute(
+        self,
+        tool: Tool,
+        intent: Intent,
+        kwargs: Mapping[str, Any] | None,
+        *,
+        via: str,
+        attempts: int,
+    ) -> Outcome:
+        """Do the step once (``kwargs``: the arguments, validated already, or None).
+
+        An exception other than the outcomes it returns leaves the step submitted,
+        for ``reconcile`` to settle on resume.
+        """
+        ...
+
+    async def reconcile(
+        self, tool: Tool, intent: Intent, *, age: float | None, attempts: int
+    ) -> Reconciled:
+        """A non-idempotent step was submitted and no outcome recorded: what now.
+
+        ``age``: seconds since its first submission, on the store's clock.
+        """
+        ...
+
+
+class FunctionRunner:
+    """A plain function: nothing to prepare, call it once, and nothing can reconcile it.
+
+    Whatever the function raises is its recorded outcome. Submitted with no outcome,
+    it runs again only if it is idempotent, which the replay table decides before
+    ever asking ``reconcile``.
+    """
+
+    prepares: bool = False
+
+    def prepare(self, tool: Tool, run_id: str, step_id: str, intent: Intent) -> Intent:
+        return intent
+
+    async def execute(
+        self,
+        tool: Tool,
+        intent: Intent,
+        kwargs: Mapping[str, Any] | None,
+        *,
+        via: str,
+        attempts: int,
+    ) -> Outcome:
+        try:
+            if kwargs is None:
+                return outcomes.of_value(await tool.invoke(intent.args))
+            return outcomes.of_value(await tool.call_validated(kwargs))
+        except ToolArgumentsError as exc:
+            return Outcome.failed(str(exc))
+        except Exception as exc:
+            return Outcome.failed(f"{type(exc).__name__}: {exc}")
+
+    async def reconcile(
+        self, tool: Tool, intent: Intent, *, age: float | None, attempts: int
+    ) -> Reconciled:
+        return Unknown()
+
+
+FUNCTION = FunctionRunner()
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +156,7 @@ class Tool:
     idempotent: bool
     fn: ToolFunction
     arguments_model: type[pydantic.BaseModel]
-    effect: Effect | None = None
+    runner: Runner = FUNCTION
     # Asked once: ``inspect.iscoroutinefunction`` on every call costs more than the rest
     # of the dispatch.
     is_async: bool = dataclasses.field(init=False, repr=False, compare=False)
@@ -82,9 +197,15 @@ class Tool:
             return await result
         return result
 
-    def with_effect(self, effect: Effect) -> Tool:
-        """This tool, published through ``effect`` (prepare / publish / confirm)."""
-        return dataclasses.replace(self, effect=effect, idempotent=False)
+    @property
+    def effect(self) -> Any:
+        """The ``Effect`` this tool publishes through, if it is one (else None)."""
+        return getattr(self.runner, "effect", None)
+
+    def with_runner(self, runner: Runner, *, idempotent: bool | None = None) -> Tool:
+        """This tool, its steps carried out by ``runner`` (an effect's, an MCP server's)."""
+        repeat = self.idempotent if idempotent is None else idempotent
+        return dataclasses.replace(self, runner=runner, idempotent=repeat)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)

@@ -11,15 +11,17 @@ from __future__ import annotations
 import inspect
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
+from .. import outcomes
+from .._canonical import canonical_json, fingerprint, idem_key
+from .._crash import crash_point
 from ..errors import AsientoError, RunError, UsageError
-from ..payloads import Outcome
-
-if TYPE_CHECKING:
-    from ..tools import Tool
+from ..payloads import Intent, Outcome
+from ..tools import Again, Found, PrepareFailed, Reconciled, Tool, Unknown, tool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,12 +93,90 @@ class Effect:
 
     def as_tool(self) -> Tool:
         """The tool the model sees: named after the effect, with ``prepare``'s arguments."""
-        from ..tools import tool
-
         key_margin_of(self.key_ttl, self.key_margin, who=type(self).__name__)
         description = self.description or (inspect.getdoc(type(self)) or "").split("\n\n")[0]
         built = tool(name=self.tool_name, description=description)(self.prepare)
-        return built.with_effect(self)
+        return built.with_runner(EffectRunner(self), idempotent=False)
+
+
+class EffectRunner:
+    """How an effect's step is carried out: prepare, publish, and reconcile by key or lookup."""
+
+    prepares: bool = True
+
+    def __init__(self, effect: Effect) -> None:
+        self.effect = effect
+
+    def prepare(self, tool: Tool, run_id: str, step_id: str, intent: Intent) -> Intent:
+        """Freeze the payload to publish and its key: every retry publishes the same."""
+        try:
+            prepared = outcomes.to_jsonable(self.effect.prepare(**tool.validate(intent.args)))
+            canonical_json(prepared)
+        except EffectRejected as exc:
+            raise PrepareFailed(f"refused while preparing: {exc}") from exc
+        except Exception as exc:
+            raise PrepareFailed(f"prepare failed: {type(exc).__name__}: {exc}") from exc
+        fp = fingerprint({"args": intent.args, "prepared": prepared})[:32]
+        key = idem_key(run_id, step_id, prepared)
+        return replace(intent, fp=fp, prepared=prepared, idem_key=key)
+
+    async def execute(
+        self,
+        tool: Tool,
+        intent: Intent,
+        kwargs: Mapping[str, Any] | None,
+        *,
+        via: str,
+        attempts: int,
+    ) -> Outcome:
+        """Publish the frozen payload under the frozen key. Only a refusal is an outcome:
+
+        any other exception leaves the step submitted, to be reconciled on resume.
+        """
+        try:
+            published = await self.effect.publish(intent.prepared, str(intent.idem_key))
+        except EffectRejected as exc:
+            return Outcome.failed(f"refused: {exc}", attempts=attempts)
+        crash_point("after_publish")
+        if not isinstance(published, Published):
+            raise UsageError(
+                f"{type(self.effect).__name__}.publish() must return Published, got {published!r}"
+            )
+        return _recorded(published, via, attempts)
+
+    async def reconcile(
+        self, tool: Tool, intent: Intent, *, age: float | None, attempts: int
+    ) -> Reconciled:
+        """Submitted, no outcome: a live key, then a lookup, else a person."""
+        effect = self.effect
+        how = reconcile(
+            honours_keys=effect.honours_keys,
+            key_ttl=effect.key_ttl,
+            has_lookup=effect.has_lookup,
+            age=age,
+            key_margin=effect.key_margin,
+        )
+        if how is Reconcile.UNCERTAIN:
+            return Unknown(self._why_uncertain(age))
+        if how is Reconcile.LOOKUP:
+            found = await effect.lookup(intent.prepared)
+            if found is not None:
+                return Found(_recorded(found, "lookup", attempts))
+        return Again(how.value)
+
+    def _why_uncertain(self, age: float | None) -> str:
+        effect = self.effect
+        if effect.honours_keys:
+            why = distrust_key(age=age, key_ttl=effect.key_ttl, key_margin=effect.key_margin)
+            return f"{why} It has no lookup."
+        return "Its destination does not honour idempotency keys and it has no lookup."
+
+
+def _recorded(published: Published, via: str, attempts: int) -> Outcome:
+    """What the destination answered, as the outcome the journal keeps."""
+    outcome = published.outcome(via, attempts)
+    value = outcomes.jsonable_or(outcome.value, {"remote_id": published.remote_id})
+    return replace(outcome, value=value)
 
 
 class Reconcile(StrEnum):

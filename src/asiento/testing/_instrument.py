@@ -1,11 +1,10 @@
 """What the harness wraps around a user's agent in the child, to witness it from outside.
 
-- each plain tool appends an fsynced line to the run's effect ledger (run,
+- each tool step appends an fsynced line to the run's effect ledger (run,
   step, attempt, tool, idempotent, pid, and the time it started: ``at``) and
-  passes ``inside_tool`` before the user's function runs: the line *is* the
-  effect, as far as the oracle knows, so a line is never missing for an effect
-  that happened;
-- each effect (``Effect`` subclass) does the same before ``publish``;
+  passes ``inside_tool`` before its runner executes it (a plain function's
+  call, an effect's publish, any other kind's): the line *is* the effect, as far
+  as the oracle knows, so a line is never missing for an effect that happened;
 - the gateway appends a line (run, idempotency key, pid) before every request:
   one line per billable generation, as the model server would count them.
 
@@ -14,23 +13,20 @@ The tools' schemas are untouched, so the request fingerprints do not change.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import inspect
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from .. import _crash
 from ..agent import Agent
 from ..context import current_step
-from ..effects.base import Effect, Published
-from ..errors import UsageError
 from ..model import Gateway, ModelRequest, ModelResponse
-from ..tools import Tool
+from ..payloads import Intent, Outcome
+from ..tools import Reconciled, Runner, Tool
 from ._files import append_line
 
 
@@ -64,46 +60,42 @@ def _note(effects: Path, tool: Tool, kind: str) -> None:
 
 
 def _ledgered(tool: Tool, effects: Path) -> Tool:
-    if tool.effect is not None:
-        return dataclasses.replace(tool, effect=_ledgered_effect(tool, tool.effect, effects))
-    fn = tool.fn
-    wrapped: Callable[..., Any]
-    if inspect.iscoroutinefunction(fn):
-
-        async def call_async(**kwargs: Any) -> Any:
-            _note(effects, tool, "call")
-            return await fn(**kwargs)
-
-        wrapped = call_async
-    else:
-
-        def call(**kwargs: Any) -> Any:
-            _note(effects, tool, "call")
-            return fn(**kwargs)
-
-        wrapped = call
-    return dataclasses.replace(tool, fn=wrapped)
+    """The same tool, whose every execution first writes its line to the effect ledger."""
+    kind = "call" if tool.effect is None else "publish"
+    return dataclasses.replace(tool, runner=_LedgeredRunner(tool.runner, effects, kind))
 
 
-def _ledgered_effect(tool: Tool, effect: Effect, effects: Path) -> Effect:
-    """The same effect object, whose ``publish`` first writes the ledger line."""
-    base = type(effect)
+class _LedgeredRunner:
+    """A tool's runner that writes the ledger line (and passes ``inside_tool``) before
+    each execution: a plain function's call, an effect's publish, any other kind's."""
 
-    async def publish(self: Effect, payload: Any, idem_key: str) -> Published:
-        _note(effects, tool, "publish")
-        result: Published = await base.publish(self, payload, idem_key)
-        return result
+    def __init__(self, inner: Runner, effects: Path, kind: str) -> None:
+        self.inner, self.effects, self.kind = inner, effects, kind
+        self.prepares = inner.prepares
 
-    cls = type(base.__name__, (base,), {"publish": publish, "__module__": base.__module__})
-    clone = copy.copy(effect)
-    try:
-        clone.__class__ = cls
-    except TypeError as exc:
-        raise UsageError(
-            f"the crash harness cannot watch effect {base.__name__} ({exc}); "
-            "effects with __slots__ are not supported"
-        ) from exc
-    return clone
+    @property
+    def effect(self) -> Any:
+        return getattr(self.inner, "effect", None)
+
+    def prepare(self, tool: Tool, run_id: str, step_id: str, intent: Intent) -> Intent:
+        return self.inner.prepare(tool, run_id, step_id, intent)
+
+    async def execute(
+        self,
+        tool: Tool,
+        intent: Intent,
+        kwargs: Mapping[str, Any] | None,
+        *,
+        via: str,
+        attempts: int,
+    ) -> Outcome:
+        _note(self.effects, tool, self.kind)
+        return await self.inner.execute(tool, intent, kwargs, via=via, attempts=attempts)
+
+    async def reconcile(
+        self, tool: Tool, intent: Intent, *, age: float | None, attempts: int
+    ) -> Reconciled:
+        return await self.inner.reconcile(tool, intent, age=age, attempts=attempts)
 
 
 class LedgerGateway:
