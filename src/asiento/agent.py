@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from . import context, shutdown, step_ids
@@ -107,6 +107,27 @@ class Agent:
         return _Pass(self, task, session).steps()
 
 
+@dataclass(frozen=True, slots=True)
+class _Ready:
+    """A tool step whose intent and submitted marker are durable, about to run."""
+
+    state: StepState
+    call: ToolCall
+    tool: Tool
+    via: str
+    kwargs: dict[str, Any] | None
+    attempt_id: str
+    attempts: int
+
+
+# What the loop records for a step it made ready and never started: it knows.
+_NOT_STARTED = Resolution(
+    happened=False,
+    by="asiento",
+    reason="the caller stopped iterating before the tool started; it runs on the next pass",
+)
+
+
 class _Decided(Exception):
     """A person decided the step this pass was about to wait for, after the pass read
     the journal: the pass walks the run again from the journal instead of waiting."""
@@ -127,6 +148,7 @@ class _Pass:
         self.lease: Lease | None = None
         self.counted: set[str] = set()  # steps whose call or replay this pass counted
         self.unrecorded: list[StepEvent] = []  # records an append refused (lease lost)
+        self.ready: _Ready | None = None  # a tool step durable and about to run
 
     async def steps(self) -> AsyncIterator[Step]:
         final = await self.store.final(self.run_id)
@@ -184,8 +206,13 @@ class _Pass:
         """Closed early (the caller stopped iterating, or an error): record what already ran.
 
         A tool that ran has its result waiting for the next commit; losing it would
-        turn a known outcome into an uncertain one.
+        turn a known outcome into an uncertain one. A tool made ready that the caller
+        stopped before it started is recorded as not having happened: it runs, once,
+        on the next pass.
         """
+        if self.ready is not None:
+            ready, self.ready = self.ready, None
+            self._record(ready.attempt_id, Phase.RESOLUTION, _NOT_STARTED)
         if not self.pending:
             return
         try:
@@ -225,8 +252,9 @@ class _Pass:
             for number, call in enumerate(response.tool_calls, 1):
                 await self._boundary()
                 go_on = await self._tool_step(step_ids.tool(step_id, number), call)
-                for step in self._drain():
+                for step in self._drain():  # durable: yielded before the tool runs
                     yield step
+                await self._run_ready()
                 if not go_on:
                     return
             await self._flush()
@@ -378,25 +406,39 @@ class _Pass:
         *,
         kwargs: dict[str, Any] | None = None,
     ) -> None:
-        """Run the tool once, with its intent and submitted marker durable before it starts."""
+        """Make the step's intent and submitted marker durable: it runs next, once.
+
+        The steps recorded so far are yielded in between (the model's answer among
+        them), so a caller sees what the model asked for before the tool runs.
+        """
         records, attempt_id = state.records, state.next_id
         attempts = state.attempt + (1 if Phase.SUBMITTED in records else 0)
         self._record(attempt_id, Phase.SUBMITTED, None)
         await self._flush()
-        intent = Intent.from_json(records[Phase.INTENT].payload)
+        self.ready = _Ready(state, call, tool, via, kwargs, attempt_id, attempts)
+
+    async def _run_ready(self) -> None:
+        """Run the tool step made ready, once; its outcome is recorded with the next commit."""
+        ready, self.ready = self.ready, None
+        if ready is None:
+            return
+        state, call, tool = ready.state, ready.call, ready.tool
+        intent = Intent.from_json(state.records[Phase.INTENT].payload)
         where = StepContext(
-            run_id=self.run_id, step_id=state.step_id, attempt_id=attempt_id, tool=call.name
+            run_id=self.run_id, step_id=state.step_id, attempt_id=ready.attempt_id, tool=call.name
         )
         token = context.enter(where)
         try:
-            outcome = await tool.runner.execute(tool, intent, kwargs, via=via, attempts=attempts)
+            outcome = await tool.runner.execute(
+                tool, intent, ready.kwargs, via=ready.via, attempts=ready.attempts
+            )
         finally:
             context.leave(token)
         self.stats.tool_calls += 1
         self.counted.add(state.step_id)
         crash_point("after_tool")
-        decision = Decision.APPROVED if Phase.APPROVAL in records else Decision.ALLOW
-        self._result(attempt_id, call, decision, outcome, step_id=state.step_id)
+        decision = Decision.APPROVED if Phase.APPROVAL in state.records else Decision.ALLOW
+        self._result(ready.attempt_id, call, decision, outcome, step_id=state.step_id)
 
     async def _reconcile(self, state: StepState, call: ToolCall, tool: Tool) -> None:
         """Submitted, no outcome, not idempotent: what the tool's runner can settle, or a person.

@@ -2,7 +2,8 @@
 
 A ``StepEvent`` is one row of the journal, keyed ``(run_id, step_id, phase)``.
 The steps (``ModelStep``, ``ToolStep``, ``ApprovalStep``, ``FinalStep``) are
-what a caller sees; each is yielded only once the records behind it are durable.
+what a caller sees; each is yielded as soon as the records behind it are durable (a
+``ModelStep`` before the tool it asked for runs: see docs/replay.md).
 """
 
 from __future__ import annotations
