@@ -188,6 +188,8 @@ def _resolution_summary(found: Resolution) -> str:
     if found.happened:
         remote = f", remote_id={found.remote_id}" if found.remote_id else ""
         return f"a person found it happened{remote}: {who}{why}"
+    if who == "asiento":  # the loop made it ready and knows it never started
+        return f"it did not start (it runs once more){why}"
     return f"a person found it did not happen (it runs once more): {who}{why}"
 
 
