@@ -200,6 +200,7 @@ def render(results: list[PassResult], problems: list[str], store: Path, console:
         caption="model calls: answers received; tool calls: executions (counted by each process)",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
+        padding=(0, 1, 0, 0),  # narrow enough that no note wraps at 80 columns
     )
     for heading in ("pass", "model\ncalls", "tool\ncalls", "how it ended", "note"):
         table.add_column(heading, no_wrap=heading != "note")
