@@ -27,7 +27,7 @@ from .events import Decision, Lease, Phase, RunStatus, StepEvent
 from .journal.base import Checkpointer, check_id
 from .lease import Holder
 from .payloads import Approval, Final, Resolution
-from .replay import Journal, Waits, index, same_fingerprint, step_state, waits_for
+from .replay import Indexed, Waits, index, same_fingerprint, step_state, waits_for
 from .views import Waiting, decided_by, find_run, waiting
 
 # How long a person's write holds the run's lease (it holds it for one transaction; if
@@ -190,7 +190,7 @@ async def pending_resolution(store: Checkpointer, run_id: str, step_id: str) -> 
 
 async def _journal_of(
     store: Checkpointer, run_id: str, step_id: str, *, refused: type[UsageError] = UsageError
-) -> Journal:
+) -> Indexed:
     """The run's journal, which must hold ``step_id``: else ``refused`` saying so."""
     check_id("run_id", run_id)
     check_id("step_id", step_id)
@@ -203,7 +203,7 @@ async def _journal_of(
     return journal
 
 
-def _refuse_closed(journal: Journal, run_id: str, done: str) -> None:
+def _refuse_closed(journal: Indexed, run_id: str, done: str) -> None:
     if Phase.RESULT in journal.get(step_ids.FINAL, {}):
         raise closed_error(run_id, done)
 

@@ -35,6 +35,8 @@
     │                           (effects; recorded as the step's failed outcome)
     ├── ToolArgumentsError      arguments that do not fit a tool (tools; also a ValueError,
     │                           recorded as the step's failed outcome)
+    ├── PrepareFailed           a tool's runner could not prepare a step (tools; recorded as
+    │                           the step's failed outcome, nothing runs)
     └── ProxyError              the gateway proxy cannot start or serve (proxy)
 
     Of ``asiento.testing``: ``CampaignFailed`` (violations found; also an

@@ -33,7 +33,7 @@ from .payloads import Approval, Intent, Resolution
 
 Records = Mapping[Phase, StepEvent]
 # A timeline as ``index`` gives it: step id -> phase -> record.
-Journal = dict[str, dict[Phase, StepEvent]]
+Indexed = dict[str, dict[Phase, StepEvent]]
 
 
 class Action(StrEnum):
@@ -123,9 +123,9 @@ def waits_for(records: Records, *, uncertain: bool = False, closed: bool = False
     return None
 
 
-def index(events: Sequence[StepEvent]) -> Journal:
+def index(events: Sequence[StepEvent]) -> Indexed:
     """A timeline as step id -> phase -> record, steps in the order they first appear."""
-    journal: Journal = {}
+    journal: Indexed = {}
     for event in events:
         journal.setdefault(event.step_id, {})[event.phase] = event
     return journal

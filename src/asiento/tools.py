@@ -39,7 +39,7 @@ class ToolArgumentsError(AsientoError, ValueError):
     """The model's arguments do not fit the tool's signature."""
 
 
-class PrepareFailed(Exception):
+class PrepareFailed(AsientoError):
     """A runner could not prepare the step: the message is the step's recorded outcome."""
 
 

@@ -1,7 +1,15 @@
 """Journals: the protocol and its backends."""
 
-from .base import Checkpointer
+from .base import Checkpointer, Journal, Leases, Queue, RunIndex
 from .memory import MemoryCheckpointer
 from .sqlite import SqliteCheckpointer
 
-__all__ = ["Checkpointer", "MemoryCheckpointer", "SqliteCheckpointer"]
+__all__ = [
+    "Checkpointer",
+    "Journal",
+    "Leases",
+    "MemoryCheckpointer",
+    "Queue",
+    "RunIndex",
+    "SqliteCheckpointer",
+]

@@ -8,6 +8,8 @@ each migration exactly once.
 
 from __future__ import annotations
 
+from . import _rules as rules
+
 # "ASNT", as in the SQLite application_id: the advisory lock of the migrations.
 MIGRATION_LOCK = 0x41534E54
 
@@ -113,10 +115,6 @@ ON CONFLICT DO NOTHING
 RETURNING step_id, phase
 """
 
-# A run reaching a stable state (closed, suspended, uncertain) starts counting claims anew.
-_ATTEMPTS = """attempts = CASE WHEN %(status)s IN ('closed', 'suspended', 'uncertain') THEN 0
-                    ELSE runs.attempts END"""
-
 UPSERT_RUN = f"""
 INSERT INTO runs (run_id, status, events, created_at, updated_at,
                   model_calls, input_tokens, output_tokens, cost, tool_steps,
@@ -124,7 +122,7 @@ INSERT INTO runs (run_id, status, events, created_at, updated_at,
 VALUES (%(run_id)s, coalesce(%(status)s, 'running'), %(added)s, {NOW}, {NOW},
         %(calls)s, %(inp)s, %(out)s, %(cost)s, %(tools)s, %(cread)s, %(cwrite)s)
 ON CONFLICT (run_id) DO UPDATE SET
-    status = coalesce(%(status)s, runs.status),
+    {rules.status_write("%(status)s", row="runs.")},
     events = runs.events + excluded.events,
     updated_at = excluded.updated_at,
     model_calls = runs.model_calls + excluded.model_calls,
@@ -133,16 +131,15 @@ ON CONFLICT (run_id) DO UPDATE SET
     output_tokens = runs.output_tokens + excluded.output_tokens,
     cached_input_tokens = runs.cached_input_tokens + excluded.cached_input_tokens,
     cache_write_tokens = runs.cache_write_tokens + excluded.cache_write_tokens,
-    cost = runs.cost + excluded.cost,
-    {_ATTEMPTS}
-WHERE runs.status <> 'closed'
+    cost = runs.cost + excluded.cost
+WHERE runs.{rules.STILL_OPEN}
 RETURNING 1
 """
 
 # The loop's append: the lease is checked, and extended, by the run's own update.
 APPEND_LEASED = f"""
 UPDATE runs SET
-    status = coalesce(%(status)s, status),
+    {rules.status_write("%(status)s")},
     events = events + %(added)s,
     updated_at = {NOW},
     model_calls = model_calls + %(calls)s,
@@ -152,7 +149,6 @@ UPDATE runs SET
     cached_input_tokens = cached_input_tokens + %(cread)s,
     cache_write_tokens = cache_write_tokens + %(cwrite)s,
     cost = cost + %(cost)s,
-    {_ATTEMPTS},
     lease_expires = {NOW} + lease_ttl
 WHERE run_id = %(run_id)s AND fence = %(token)s AND lease_owner = %(owner)s
   AND lease_expires >= {NOW}
@@ -193,12 +189,11 @@ UPDATE runs SET lease_owner = NULL, lease_expires = NULL,
 WHERE run_id = %s AND fence = %s AND lease_owner = %s
 """
 
-# A closed run takes no other status; a stable one ends the count of claims.
+# Every status write but an append's (set_status, parking): ``postgres.set_status``
+# refuses to change a closed run before it gets here.
 SET_STATUS = f"""
-UPDATE runs SET attempts = CASE WHEN status = 'parked' AND %(status)s = 'running' THEN 0
-                                WHEN %(status)s IN ('closed', 'suspended', 'uncertain') THEN 0
-                                ELSE attempts END,
-    status = %(status)s, updated_at = {NOW}, reason = coalesce(%(reason)s, reason)
+UPDATE runs SET {rules.status_write("%(status)s")}, updated_at = {NOW},
+    reason = coalesce(%(reason)s, reason)
 WHERE run_id = %(run_id)s
 """
 
@@ -218,8 +213,7 @@ RETURNING run_id
 # SKIP LOCKED: many workers claim different runs without waiting for each other.
 CLAIMABLE = f"""
 SELECT run_id, task, agent, attempts, reason, fence, {NOW} FROM runs
-WHERE status = 'running' AND task IS NOT NULL
-  AND (lease_owner IS NULL OR lease_expires < {NOW})
+WHERE {rules.claimable(NOW)}
 ORDER BY updated_at, run_id COLLATE "C" LIMIT 1
 FOR UPDATE SKIP LOCKED
 """
@@ -233,8 +227,6 @@ FOR UPDATE
 """
 
 EXTEND_LEASE = "UPDATE runs SET lease_expires = %s, lease_ttl = %s WHERE run_id = %s AND fence = %s"
-
-PARK = f"UPDATE runs SET status = 'parked', reason = %s, updated_at = {NOW} WHERE run_id = %s"
 
 COUNT_CLAIM = "UPDATE runs SET attempts = attempts + 1 WHERE run_id = %s"
 

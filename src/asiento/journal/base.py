@@ -1,7 +1,9 @@
 """The ``Checkpointer`` protocol: the run's journal, shared by loop and harness.
 
-A small protocol rather than a base class: a backend is whatever has these
-coroutines. Every backend passes the same conformance suite (tests/journal).
+Small protocols rather than a base class: a backend is whatever has these
+coroutines, in four roles (``Journal``, ``Leases``, ``Queue``, ``RunIndex``).
+Every backend passes the same conformance suite (``asiento.testing.conformance``);
+the index's rules are written once, in ``_rules``.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from ..payloads import usage_of
 
 
 @runtime_checkable
-class Checkpointer(Protocol):
-    """The journal of runs. ``append`` is atomic: all of a batch is recorded, or none."""
+class Journal(Protocol):
+    """The records of runs: ``append`` is atomic, all of a batch is recorded or none."""
 
     async def append(
         self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
@@ -34,6 +36,32 @@ class Checkpointer(Protocol):
         nothing is written: a closed run stays closed.
         """
         ...
+
+    async def load(self, run_id: str) -> list[StepEvent]:
+        """The run's whole timeline, in the order it was written."""
+        ...
+
+    async def load_step(self, run_id: str, step_id: str) -> list[StepEvent]:
+        """The records of one step, in the order they were written."""
+        ...
+
+    async def final(self, run_id: str) -> StepEvent | None:
+        """The run's final record if it is closed: one read, not the whole journal."""
+        ...
+
+    async def age(self, run_id: str, step_id: str, phase: Phase) -> float | None:
+        """Seconds since the record was written, on the store's clock; None if it is absent.
+
+        What decides whether an idempotency key may have expired: the database
+        server's clock on PostgreSQL (no client's clock counts), this process's on
+        SQLite and in memory. A clock that went back gives a negative age.
+        """
+        ...
+
+
+@runtime_checkable
+class Leases(Protocol):
+    """Who drives a run: at most one session at a time, fenced."""
 
     async def acquire(
         self, run_id: str, holder: Holder, *, ttl: float, force: bool = False
@@ -60,25 +88,35 @@ class Checkpointer(Protocol):
         """
         ...
 
-    async def load(self, run_id: str) -> list[StepEvent]:
-        """The run's whole timeline, in the order it was written."""
+
+@runtime_checkable
+class Queue(Protocol):
+    """Runs submitted for the workers, and their claims."""
+
+    async def submit(self, run_id: str, task: str, *, agent: str = "default") -> None:
+        """Queue a new run for the workers; ``UsageError`` if the run id is taken."""
         ...
 
-    async def load_step(self, run_id: str, step_id: str) -> list[StepEvent]:
-        """The records of one step, in the order they were written."""
-        ...
+    async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
+        """Take the lease of one submitted run that needs work, or None.
 
-    async def final(self, run_id: str) -> StepEvent | None:
-        """The run's final record if it is closed: one read, not the whole journal."""
-        ...
-
-    async def age(self, run_id: str, step_id: str, phase: Phase) -> float | None:
-        """Seconds since the record was written, on the store's clock; None if it is absent.
-
-        What decides whether an idempotency key may have expired: the database
-        server's clock on PostgreSQL (no client's clock counts), this process's on
-        SQLite and in memory. A clock that went back gives a negative age.
+        Needs work: status running, with no live lease. A run claimed
+        ``max_attempts`` times without reaching a stable state (closed,
+        suspended, uncertain) is parked instead, with the reason recorded.
         """
+        ...
+
+
+@runtime_checkable
+class RunIndex(Protocol):
+    """The run index: a summary of the journal, for listing and claiming."""
+
+    async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
+        """The runs this journal knows, oldest first, optionally of one status."""
+        ...
+
+    async def run(self, run_id: str) -> RunInfo | None:
+        """One run's line in the index, looked up by its id; None for an unknown run."""
         ...
 
     async def set_status(
@@ -103,26 +141,14 @@ class Checkpointer(Protocol):
         """
         ...
 
-    async def submit(self, run_id: str, task: str, *, agent: str = "default") -> None:
-        """Queue a new run for the workers; ``UsageError`` if the run id is taken."""
-        ...
 
-    async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
-        """Take the lease of one submitted run that needs work, or None.
+@runtime_checkable
+class Checkpointer(Journal, Leases, Queue, RunIndex, Protocol):
+    """A store of runs, in its four roles: the journal, leases, the queue, the index.
 
-        Needs work: status running, with no live lease. A run claimed
-        ``max_attempts`` times without reaching a stable state (closed,
-        suspended, uncertain) is parked instead, with the reason recorded.
-        """
-        ...
-
-    async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
-        """The runs this journal knows, oldest first, optionally of one status."""
-        ...
-
-    async def run(self, run_id: str) -> RunInfo | None:
-        """One run's line in the index, looked up by its id; None for an unknown run."""
-        ...
+    The loop needs the journal, leases and ``set_status``; a person's decisions the
+    journal, leases and the index; workers the queue too.
+    """
 
     async def close(self) -> None:
         """Release the backend's connections."""
@@ -200,13 +226,6 @@ _RUN_FIELDS = (
     "cached_input_tokens",
     "cache_write_tokens",
 )
-
-STABLE = (RunStatus.CLOSED, RunStatus.SUSPENDED, RunStatus.UNCERTAIN)
-
-
-def parked_reason(attempts: int, last: str | None) -> str:
-    why = f"; last failure: {last}" if last else " (its workers died without a word)"
-    return f"parked after {attempts} claims without reaching a stable state{why}"
 
 
 def run_info(row: Sequence[Any]) -> RunInfo:

@@ -9,15 +9,14 @@ from .. import _clock, step_ids
 from ..errors import DuplicateRecord, UsageError
 from ..events import Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
+from . import _rules as rules
 from .base import (
-    STABLE,
     check_id,
     counts_of,
     decode_row,
     encode_batch,
     lease_lost,
     may_take,
-    parked_reason,
     run_closed,
     run_locked,
 )
@@ -60,8 +59,8 @@ class MemoryCheckpointer:
         info = self._info(run_id)
         self._runs[run_id] = dataclasses.replace(
             info,
-            status=status or info.status,
-            attempts=0 if status in STABLE else info.attempts,
+            status=rules.status_after(info.status, status),
+            attempts=rules.attempts_after(info.status, status, info.attempts),
             events=info.events + len(rows),
             updated_at=time.time(),
             model_calls=info.model_calls + usage["calls"],
@@ -174,13 +173,12 @@ class MemoryCheckpointer:
         info, status = self._runs[run_id], RunStatus(status)
         if info.status == RunStatus.CLOSED and status != RunStatus.CLOSED:
             raise run_closed(run_id)
-        unpark = info.status == RunStatus.PARKED and status == RunStatus.RUNNING
         self._runs[run_id] = dataclasses.replace(
             info,
-            status=status,
+            status=rules.status_after(info.status, status),
             updated_at=time.time(),
             reason=reason or info.reason,
-            attempts=0 if unpark or status in STABLE else info.attempts,
+            attempts=rules.attempts_after(info.status, status, info.attempts),
         )
         return True
 
@@ -193,11 +191,10 @@ class MemoryCheckpointer:
     async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
         now = time.time()
         for info in sorted(self._runs.values(), key=lambda r: (r.updated_at, r.run_id)):
-            free = info.lease_owner is None or (info.lease_expires or 0) < now
-            if info.status != RunStatus.RUNNING or info.task is None or not free:
+            if not rules.claimable_now(info, now) or info.task is None:
                 continue
-            if info.attempts >= max_attempts:
-                reason = parked_reason(info.attempts, info.reason)
+            if rules.parks(info.attempts, max_attempts):
+                reason = rules.parked_reason(info.attempts, info.reason)
                 await self.set_status(info.run_id, RunStatus.PARKED, reason=reason)
                 continue
             lease = await self.acquire(info.run_id, holder, ttl=ttl)

@@ -47,6 +47,7 @@ from ..errors import (
 from ..events import Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
 from . import _postgres_schema as sql
+from . import _rules as rules
 from ._backfill import CACHE_RECORDS, MIGRATION_ADVICE, CacheTotals
 from .base import (
     Row,
@@ -56,7 +57,6 @@ from .base import (
     encode_batch,
     lease_lost,
     may_take,
-    parked_reason,
     run_closed,
     run_info,
     run_locked,
@@ -338,8 +338,11 @@ class PostgresCheckpointer:
                 if row is None:
                     return None
                 run_id, task, agent, attempts, reason, fence, now = row
-                if attempts >= max_attempts:
-                    await conn.execute(sql.PARK, (parked_reason(attempts, reason), run_id))
+                if rules.parks(attempts, max_attempts):
+                    why = rules.parked_reason(attempts, reason)
+                    await conn.execute(
+                        sql.SET_STATUS, {"status": "parked", "reason": why, "run_id": run_id}
+                    )
                     continue
                 values = (holder.owner, holder.host, holder.pid, holder.started, now + ttl, ttl)
                 await conn.execute(sql.TAKE_LEASE, (*values, fence + 1, run_id))

@@ -33,6 +33,7 @@ from ..errors import (
 )
 from ..events import Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
+from . import _rules as rules
 from ._backfill import MIGRATION_ADVICE
 from ._sqlite_capi import keep_wal_on_close, os_errno
 from ._sqlite_open import Progress, connect, identity, looks_like_a_journal, migrate, unwritable
@@ -45,7 +46,6 @@ from .base import (
     encode_batch,
     lease_lost,
     may_take,
-    parked_reason,
     run_closed,
     run_info,
     run_locked,
@@ -64,14 +64,14 @@ _NO_ROOM = {
 # How many runs one claim may park before it gives up for this call.
 _MAX_PARKED_PER_CLAIM = 100
 
-_UPSERT_RUN = """
+_UPSERT_RUN = f"""
 INSERT INTO runs (run_id, status, events, created_at, updated_at,
                   model_calls, input_tokens, output_tokens, cost, tool_steps,
                   cached_input_tokens, cache_write_tokens)
 VALUES (:run_id, coalesce(:status, 'running'), :added, :now, :now, :calls, :inp, :out, :cost,
         :tools, :cread, :cwrite)
 ON CONFLICT (run_id) DO UPDATE SET
-    status = coalesce(:status, runs.status),
+    {rules.status_write(":status", row="runs.")},
     events = runs.events + :added,
     updated_at = :now,
     model_calls = runs.model_calls + :calls,
@@ -80,15 +80,13 @@ ON CONFLICT (run_id) DO UPDATE SET
     output_tokens = runs.output_tokens + :out,
     cached_input_tokens = runs.cached_input_tokens + :cread,
     cache_write_tokens = runs.cache_write_tokens + :cwrite,
-    cost = runs.cost + :cost,
-    attempts = CASE WHEN :status IN ('closed', 'suspended', 'uncertain') THEN 0
-                    ELSE runs.attempts END
-WHERE runs.status != 'closed'
+    cost = runs.cost + :cost
+WHERE runs.{rules.STILL_OPEN}
 """
 
-_APPEND_LEASED = """
+_APPEND_LEASED = f"""
 UPDATE runs SET
-    status = coalesce(:status, status),
+    {rules.status_write(":status")},
     events = events + :added,
     updated_at = :now,
     model_calls = model_calls + :calls,
@@ -98,7 +96,6 @@ UPDATE runs SET
     cached_input_tokens = cached_input_tokens + :cread,
     cache_write_tokens = cache_write_tokens + :cwrite,
     cost = cost + :cost,
-    attempts = CASE WHEN :status IN ('closed', 'suspended', 'uncertain') THEN 0 ELSE attempts END,
     lease_expires = :now + lease_ttl
 WHERE run_id = :run_id AND fence = :token AND lease_owner = :owner AND lease_expires >= :now
 """
@@ -134,19 +131,16 @@ fence, model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tok
 saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps,
 cached_input_tokens, cache_write_tokens"""
 
-# A closed run takes no other status; a stable one ends the count of claims.
-_SET_STATUS = """
-UPDATE runs SET attempts = CASE WHEN status = 'parked' AND ?1 = 'running' THEN 0
-                                WHEN ?1 IN ('closed', 'suspended', 'uncertain') THEN 0
-                                ELSE attempts END,
-    status = ?1, updated_at = ?2, reason = coalesce(?3, reason)
-WHERE run_id = ?4 AND (status != 'closed' OR ?1 = 'closed')
+# A closed run takes no other status (no row changes: ``RunClosed``).
+_SET_STATUS = f"""
+UPDATE runs SET {rules.status_write(":status")}, updated_at = :now,
+    reason = coalesce(:reason, reason)
+WHERE run_id = :run_id AND ({rules.STILL_OPEN} OR :status = 'closed')
 """
 
-_CLAIMABLE = """
+_CLAIMABLE = f"""
 SELECT run_id, task, agent, attempts, reason, fence FROM runs
-WHERE status = 'running' AND task IS NOT NULL
-  AND (lease_owner IS NULL OR lease_expires < :now)
+WHERE {rules.claimable(":now")}
 ORDER BY updated_at, run_id LIMIT 1
 """
 
@@ -374,7 +368,8 @@ class SqliteCheckpointer:
                 self._check_lease(lease)
             if waits_for is not None and self._holds(run_id, *waits_for):
                 return False
-            cur = self._db.execute(_SET_STATUS, (value, time.time(), reason, run_id))
+            params = {"status": value, "now": time.time(), "reason": reason, "run_id": run_id}
+            cur = self._db.execute(_SET_STATUS, params)
             if cur.rowcount == 0:
                 raise self._not_markable(run_id)
         return True
@@ -410,11 +405,10 @@ class SqliteCheckpointer:
                 if row is None:
                     return None
                 run_id, task, agent, attempts, reason, fence = row
-                if attempts >= max_attempts:
+                if rules.parks(attempts, max_attempts):
+                    params = {"status": "parked", "now": now, "run_id": run_id}
                     self._db.execute(
-                        "UPDATE runs SET status = 'parked', reason = ?, updated_at = ?"
-                        " WHERE run_id = ?",
-                        (parked_reason(attempts, reason), now, run_id),
+                        _SET_STATUS, params | {"reason": rules.parked_reason(attempts, reason)}
                     )
                     continue
                 self._take(run_id, holder, ttl, fence, now)
