@@ -6,8 +6,10 @@
     python tests/crash/child.py serve      # fork-server: JSON commands on stdin
 
 Arm a crash point with ``ASIENTO_CRASH_AT=name@N``; in ``serve`` mode a command's
-``crash`` field arms it in the forked child, and ``kill_after`` (seconds) makes
-the server SIGKILL the forked child after that delay.
+``crash`` field arms it in the forked child, the same way, and ``kill_after``
+(seconds) makes the server SIGKILL the forked child after that delay. The
+fork-server is asiento.testing's (``_fork``); what runs in it is this file's (see
+oracle.py for why).
 
 Two ledgers outlive any SIGKILL because every line is one ``write(2)`` followed
 by ``fsync`` before the code goes on: the effects ledger gets one line per real
@@ -26,11 +28,8 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import sys
 import tempfile
-import time
-import traceback
 from typing import Any
 
 import asiento
@@ -48,6 +47,8 @@ from asiento import (
     tool,
 )
 from asiento.testing import ENV_VAR, ScriptedGateway, arm, crash_point
+from asiento.testing._files import append_line
+from asiento.testing._fork import serve
 
 UNCERTAIN_EXIT = 3
 TASK = "look up alpha and beta, and send two messages"
@@ -78,18 +79,6 @@ def tool_value(step: str) -> str:
     """What the tool of ``step`` returns: a person resolving 'happened' records the same."""
     name, args = TOOL_STEPS[step]
     return f"value-of-{args['key']}" if name == "lookup" else f"sent-to-{args['to']}"
-
-
-def append_line(path: str, record: dict[str, Any]) -> None:
-    """Append one JSON line with a single write(2), then fsync: it survives SIGKILL."""
-    data = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        if os.write(fd, data) != len(data):
-            raise OSError(f"short write to {path}")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def make_tools(run_id: str, effects: str) -> list[asiento.Tool]:
@@ -186,68 +175,26 @@ def execute(cmd: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 
 # -- fork-server -------------------------------------------------------------------
 
-MAX_COMMANDS = 100_000
 
+class ForkedChild:
+    """What asiento.testing's fork-server serves: each command in a freshly forked process."""
 
-def serve() -> int:
-    """Read one JSON command per line; fork a child for each; answer with how it ended."""
-    warm_up()
-    for _ in range(MAX_COMMANDS):
-        line = sys.stdin.readline()
-        if not line:
-            return 0
-        reply = fork_one(json.loads(line))
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
-    return 0
+    def warm_up(self) -> None:
+        """Drive throwaway runs once, so that forked children find every lazy import done."""
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = {k: os.path.join(tmp, k) for k in ("db", "effects", "models")}
+            execute(paths | {"op": "run", "run": "warm-up"})
+            _, out = execute(paths | {"op": "run", "run": "warm-up-2", "approval": True})
+            execute(paths | {"op": "approve", "run": "warm-up-2", "step": out["step"]})
 
-
-def warm_up() -> None:
-    """Drive a throwaway run once, so that forked children find every lazy import done."""
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = {k: os.path.join(tmp, k) for k in ("db", "effects", "models")}
-        execute(paths | {"op": "run", "run": "warm-up"})
-        _, out = execute(paths | {"op": "run", "run": "warm-up-2", "approval": True})
-        execute(paths | {"op": "approve", "run": "warm-up-2", "step": out["step"]})
-
-
-def fork_one(cmd: dict[str, Any]) -> dict[str, Any]:
-    """Run ``cmd`` in a forked child, SIGKILL it after ``kill_after`` if asked, reap it."""
-    read_end, write_end = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    started = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        _forked(cmd, write_end)
-    os.close(write_end)
-    if cmd.get("kill_after") is not None:
-        time.sleep(cmd["kill_after"])
-        # Not reaped yet, so the pid is still this child's even if it already exited.
-        os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    with os.fdopen(read_end, "rb") as pipe:
-        text = pipe.read().decode()
-    out = json.loads(text) if text else None
-    elapsed = time.monotonic() - started
-    return {"pid": pid, "rc": os.waitstatus_to_exitcode(status), "out": out, "seconds": elapsed}
-
-
-def _forked(cmd: dict[str, Any], fd: int) -> None:
-    code = 1
-    try:
+    def execute(self, cmd: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """Arm the command's crash point as a new interpreter would, by the core's own
+        ASIENTO_CRASH_AT (not the harness's observer), then run it."""
         os.environ.pop(ENV_VAR, None)
         if cmd.get("crash"):
             os.environ[ENV_VAR] = cmd["crash"]
         arm(os.environ.get(ENV_VAR))  # what importing asiento does in a new interpreter
-        code, out = execute(cmd)
-        os.write(fd, json.dumps(out).encode())
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stderr.flush()
-        os._exit(code)
+        return execute(cmd)
 
 
 # -- command line ------------------------------------------------------------------
@@ -279,7 +226,7 @@ def parse(argv: list[str]) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     cmd = parse(argv)
     if cmd["op"] == "serve":
-        return serve()
+        return serve(ForkedChild())
     code, out = execute(cmd)
     print(json.dumps(out), flush=True)
     return code

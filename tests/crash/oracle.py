@@ -5,13 +5,27 @@ ledger, the model ledger and the journal file. A ``RunLog`` remembers, for each
 operation on a run (a pass, an approval, a resolution), the journal as it was
 when the operation started and where each ledger stood, so the lines an
 operation added can be held against what was already recorded.
+
+Of the two ways out of copying asiento.testing (issue 13, item 7), these tests take
+the first: they drive the library's crash harness and keep a deliberately small,
+independent oracle. The core's crash tests must not trust only the checker the
+library ships (asiento.testing.invariants): one bug in it would hide the very bugs
+both look for. So the plumbing is the harness's, used as it is: the fork-server
+(``_server``, ``_fork``), the fsynced ledger files (``_files``) and what a
+supervisor does next (``_drive.next_command``). What decides is this file's, written
+from the contract and not copied from the library: the child's own script, whose
+ledger lines name their step by the script's ``ref`` (not by asiento's idea of the
+current step); crash points armed by the core's own ``ASIENTO_CRASH_AT`` (not the
+harness's observer); the journal read with its own SQL; and the checks below, for
+this one script, reading the step-id grammar themselves (not through
+``asiento.step_ids``). The one rule taken from the library is ``with_older_records``:
+which records of a killed writer may surface late (tests/crash/test_wal_recovery.py
+pins down why).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import select
 import signal
 import sqlite3
 import subprocess
@@ -23,7 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from asiento.testing import ENV_VAR
+from asiento.testing import ENV_VAR, _server
+from asiento.testing._drive import next_command
+from asiento.testing._files import read_lines as read_ledger  # a torn line is an error
 from asiento.testing.invariants import with_older_records
 
 from .child import IDEMPOTENT, MODEL_STEPS, TOOL_STEPS, UNCERTAIN_EXIT
@@ -88,16 +104,6 @@ def integrity(db: Path) -> str:
         con.close()
 
 
-def read_ledger(path: Path) -> list[dict[str, Any]]:
-    """Every line of a ledger; a torn line is an error, not something to skip."""
-    if not path.exists():
-        return []
-    text = path.read_text()
-    if text and not text.endswith("\n"):
-        raise AssertionError(f"{path}: torn last line {text.splitlines()[-1]!r}")
-    return [json.loads(line) for line in text.splitlines()]
-
-
 def model_key(run_id: str, step: str, fp: str) -> str:
     """The documented provider key: (run_id, step_id, body fingerprint)."""
     return f"{run_id}:{step}:{fp[:32]}"
@@ -112,30 +118,26 @@ def recorded_keys(run_id: str, journal: Journal) -> set[str]:
     }
 
 
-def attempts(journal: Journal, step: str) -> list[str]:
-    """The record ids of a tool step's attempts, first to latest: step, step/2, ..."""
-    ids = [step]
-    while f"{step}/{len(ids) + 1}" in journal:
-        ids.append(f"{step}/{len(ids) + 1}")
-    return ids
+def tried(journal: Journal, step: str) -> list[str]:
+    """The ids the journal holds for attempts of tool step ``step``, first to latest:
+    ``step``, then ``step/2``, ``step/3``... (the documented grammar, read here)."""
+    number = {r: int(r.partition("/")[2] or 1) for r in journal if r.partition("/")[0] == step}
+    return sorted(number, key=number.__getitem__)
 
 
 def outcome_known(journal: Journal, step: str) -> bool:
     """A result, or a person's 'it happened', is recorded for some attempt of ``step``."""
-    for record_id in attempts(journal, step):
-        phases = journal.get(record_id, {})
-        if "result" in phases:
-            return True
-        if "resolution" in phases and phases["resolution"][1].get("happened"):
-            return True
-    return False
+    return any(
+        "result" in phases or phases.get("resolution", (None, {}))[1].get("happened", False)
+        for phases in (journal[r] for r in tried(journal, step))
+    )
 
 
 def uncertain_steps(journal: Journal) -> set[str]:
     """Non-idempotent attempts submitted with no result and no resolution."""
     found = set()
     for step, (tool, _) in TOOL_STEPS.items():
-        latest = attempts(journal, step)[-1]
+        latest = (tried(journal, step) or [step])[-1]
         phases = journal.get(latest, {})
         if IDEMPOTENT[tool] or "submitted" not in phases:
             continue
@@ -148,10 +150,8 @@ def uncertain_steps(journal: Journal) -> set[str]:
 
 
 def child_env(crash: str | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
-    if crash:
-        env[ENV_VAR] = crash
-    return env
+    """This process's environment, armed at ``crash`` only if one is given."""
+    return _server.child_env({ENV_VAR: crash} if crash else {}, ())
 
 
 def _argv(cmd: dict[str, Any]) -> list[str]:
@@ -185,59 +185,18 @@ def fresh_child(cmd: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
 
 
 class ForkServer:
-    """``child.py serve``: imports asiento once, forks a real process per command."""
+    """``child.py serve`` on asiento.testing's fork-server: a real process per command."""
 
     def __init__(self, stderr_path: Path) -> None:
-        self.stderr_path = stderr_path
-        self._stderr = stderr_path.open("wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(CHILD), "serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            env=child_env(),
-        )
-        self._buffer = b""
+        argv = [sys.executable, str(CHILD), "serve"]
+        self.server = _server.ForkServer(argv, child_env(), stderr_path, CALL_TIMEOUT)
+        self.stderr_tail, self.close = self.server.stderr_tail, self.server.close
 
     def __call__(self, cmd: dict[str, Any]) -> tuple[int, dict[str, Any] | None]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps(cmd, default=str) + "\n").encode())
-        self.proc.stdin.flush()
-        reply = json.loads(self._readline())
+        reply = self.server(cmd)
         if reply["rc"] not in (0, UNCERTAIN_EXIT, KILLED):
             raise AssertionError(f"child {cmd} failed with {reply['rc']}:\n{self.stderr_tail()}")
         return reply["rc"], reply["out"]
-
-    def _readline(self) -> bytes:
-        assert self.proc.stdout is not None
-        fd, deadline = self.proc.stdout.fileno(), time.monotonic() + CALL_TIMEOUT
-        while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise AssertionError(f"fork-server silent for {CALL_TIMEOUT}s")
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                raise AssertionError(f"fork-server died:\n{self.stderr_tail()}")
-            self._buffer += chunk
-        line, self._buffer = self._buffer.split(b"\n", 1)
-        return line
-
-    def stderr_tail(self, chars: int = 4000) -> str:
-        self._stderr.flush()
-        return self.stderr_path.read_text(errors="replace")[-chars:]
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-            self._stderr.close()
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
 
 
 # -- one run, operation by operation -------------------------------------------------
@@ -290,18 +249,15 @@ class RunLog:
 
     def next_command(self) -> dict[str, Any]:
         """What a supervisor does next: run, approve what waits, or resolve what is unknown."""
-        last, base = self.last or {}, {"db": str(self.db), "run": self.run_id}
-        if last.get("outcome") == "suspended":
-            return base | {
-                "op": "approve",
-                "step": last["step"],
-                "fingerprint": last["fingerprint"],
-            }
-        if last.get("outcome") == "uncertain":
-            happened = any(e["step"] == last["step"].split("/")[0] for e in self.effect_lines())
-            return base | {"op": "resolve", "step": last["step"], "happened": happened}
+        cmd = {"db": str(self.db), "run": self.run_id} | next_command(self.last or {}, self._sent)
+        if cmd["op"] != "run":
+            return cmd
         paths = {"effects": str(self.effects), "models": str(self.models)}
-        return base | paths | {"op": "run", "approval": self.approval}
+        return cmd | paths | {"approval": self.approval}
+
+    def _sent(self, attempt: str) -> bool:
+        """The effects ledger has a line for the tool step of ``attempt``: it happened."""
+        return any(e["step"] == attempt.partition("/")[0] for e in self.effect_lines())
 
     def advance(
         self, runner: Runner, *, crash: str | None = None, kill_after: float | None = None

@@ -5,7 +5,7 @@ What the other suites already cover is not repeated here: a journal file overwri
 with garbage, a damaged record, a newer schema (tests/journal/test_sqlite.py and
 test_postgres.py), a changed task, instructions or tool set (tests/test_agent_replay.py),
 NaN, sets, bad bytes and self-referencing lists as tool results (tests/test_agent.py),
-odd ids at the journal level (tests/journal/test_conformance.py), a 10 MB result and
+odd ids at the journal level (asiento.testing.conformance), a 10 MB result and
 one over the limit (tests/test_limits.py), and three unparseable chat answers at the
 first model step (tests/providers/test_openai.py).
 

@@ -1,7 +1,8 @@
 """What only the PostgreSQL journal has: migrations in the database, processes racing,
 connections dying mid-transaction and at COMMIT, fleet claims, opening by URL.
 
-The rest of its behaviour is the conformance suite's (test_conformance.py).
+The rest of its behaviour is the conformance suite's (asiento.testing.conformance, run by
+test_conformance.py).
 """
 
 from __future__ import annotations

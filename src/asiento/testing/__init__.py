@@ -3,6 +3,8 @@
 ``CrashHarness`` (see ``asiento.testing.harness``) kills a user's agent with
 SIGKILL at every crash point and at random instants, resumes it, and checks
 the invariants of ``asiento.testing.invariants`` from outside the process.
+``asiento.testing.conformance`` is the journal conformance suite a backend of
+your own runs under pytest (it imports pytest, so it is not imported here).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
     python -m asiento.testing._child once CONFIG_JSON COMMAND_JSON   # one operation
 
 ``serve`` imports the user's app once, then reads one JSON command per line
-on stdin and forks a real process for each, replying with one JSON line (pid,
-exit code, outcome). A command's ``kill_after`` (seconds) makes the server
+on stdin and forks a real process for each (``_fork``), replying with one JSON
+line (pid, exit code, outcome). A command's ``kill_after`` (seconds) makes the server
 SIGKILL the forked child after that delay; ``crash`` (``name@N``) makes the
 child SIGKILL itself at that crash-point passage. ``once`` runs one command in
 this very interpreter (the fsync audit runs it under strace).
@@ -28,8 +28,6 @@ import asyncio
 import importlib
 import json
 import os
-import select
-import signal
 import sys
 import threading
 import time
@@ -48,14 +46,12 @@ from ..journal.base import Checkpointer
 from ..model import ModelRequest, ModelResponse
 from ..session import Session
 from ._files import ledger_paths
+from ._fork import Command, Outcome, serve
 from ._instrument import LedgerGateway, instrument, stop_here
 from ._observe import Observer, install
 from ._plants import plant
 from ._stores import is_postgres, open_checkpointer, pg_dsn
 
-Command = dict[str, Any]
-Outcome = dict[str, Any]
-MAX_COMMANDS = 1_000_000
 PERSON = "crash-harness"
 
 
@@ -407,76 +403,6 @@ OPS: dict[str, Callable[[Child, Command], Coroutine[Any, Any, Outcome]]] = {
     "work": work,
     "describe": describe,
 }
-
-
-# -- fork-server -----------------------------------------------------------------------
-
-
-def serve(child: Child) -> int:
-    """Answer one JSON line per command, forking a child for each."""
-    protocol = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # what the app prints must not corrupt the protocol
-    child.warm_up()
-    protocol.write(json.dumps({"ready": os.getpid()}) + "\n")
-    protocol.flush()
-    for _ in range(MAX_COMMANDS):
-        line = sys.stdin.readline()
-        if not line:
-            return 0
-        protocol.write(json.dumps(fork_one(child, json.loads(line))) + "\n")
-        protocol.flush()
-    return 0
-
-
-def fork_one(child: Child, cmd: Command) -> dict[str, Any]:
-    """Run ``cmd`` in a forked process; SIGKILL it after ``kill_after`` if asked; reap it."""
-    read_end, write_end = os.pipe()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    started = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read_end)
-        _forked(child, cmd, write_end)
-    os.close(write_end)
-    timer_killed = _wait_or_kill(pid, cmd.get("kill_after"))
-    _, status = os.waitpid(pid, 0)
-    with os.fdopen(read_end, "rb") as pipe:
-        text = pipe.read().decode()
-    return {
-        "pid": pid,
-        "rc": os.waitstatus_to_exitcode(status),
-        "out": json.loads(text) if text else None,
-        "timer_killed": timer_killed,
-        "seconds": time.monotonic() - started,
-    }
-
-
-def _wait_or_kill(pid: int, kill_after: float | None) -> bool:
-    """Wait up to ``kill_after`` s for the child to exit; SIGKILL it if it has not."""
-    if kill_after is None:
-        return False
-    fd = os.pidfd_open(pid)
-    try:
-        exited, _, _ = select.select([fd], [], [], kill_after)
-    finally:
-        os.close(fd)
-    if exited:
-        return False
-    os.kill(pid, signal.SIGKILL)  # not reaped yet: the pid is still this child's
-    return True
-
-
-def _forked(child: Child, cmd: Command, fd: int) -> None:
-    code = 1
-    try:
-        code, out = child.execute(cmd)
-        os.write(fd, json.dumps(out).encode())
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stderr.flush()
-        os._exit(code)
 
 
 def main(argv: list[str]) -> int:

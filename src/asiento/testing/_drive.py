@@ -104,6 +104,21 @@ class ParentFaults:
         return thread
 
 
+def next_command(last: Mapping[str, Any], happened: Callable[[str], bool]) -> dict[str, Any]:
+    """What a supervisor does after an operation that ended ``last`` (empty: killed or none).
+
+    It approves exactly what a suspended pass showed; for a step a pass stopped on as
+    uncertain it records what ``happened(step)`` says the destination holds; otherwise
+    it runs the agent.
+    """
+    if last.get("outcome") == "suspended":
+        return {"op": "approve", "step": last["step"], "fingerprint": last["fingerprint"]}
+    if last.get("outcome") == "uncertain":
+        step = str(last["step"])
+        return {"op": "resolve", "step": step, "happened": happened(step)}
+    return {"op": "run"}
+
+
 @dataclass
 class RunDriver:
     """One run: its operations so far, and what the supervisor does next."""
@@ -139,19 +154,11 @@ class RunDriver:
 
     def next_command(self) -> dict[str, Any]:
         """Run the agent; approve what waits; resolve what is unknown from the ledger."""
-        last, base = self.last, {"run": self.run_id}
-        if last.get("outcome") == "suspended":
-            return base | {
-                "op": "approve",
-                "step": last["step"],
-                "fingerprint": last["fingerprint"],
-            }
-        if last.get("outcome") == "uncertain":
-            step = str(last["step"])
-            lines = read_lines(self.ledgers[0])
-            happened = any(line.get("attempt") == step for line in lines)
-            return base | {"op": "resolve", "step": step, "happened": happened}
-        return base | {"op": "run"}
+        return {"run": self.run_id} | next_command(self.last, self._happened)
+
+    def _happened(self, attempt: str) -> bool:
+        """The effect ledger has a line for ``attempt``: the destination got it."""
+        return any(line.get("attempt") == attempt for line in read_lines(self.ledgers[0]))
 
     def advance(
         self,

@@ -8,7 +8,7 @@ import select
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +32,25 @@ def child_env(extra: Mapping[str, str], pythonpath: tuple[str, ...]) -> dict[str
     return env
 
 
+def serve_argv(config: dict[str, Any]) -> list[str]:
+    """The command line of the harness's fork-server for one worker's ``config``."""
+    return [sys.executable, "-m", CHILD_MODULE, "serve", json.dumps(config)]
+
+
 class ForkServer:
-    """``python -m asiento.testing._child serve``: imports the app once, forks per command."""
+    """A fork-server process (``argv``, see ``_fork``): warmed up once, forks per command.
+
+    The harness's is ``serve_argv(config)``: it imports the user's app once.
+    """
 
     def __init__(
-        self, config: dict[str, Any], env: dict[str, str], stderr: Path, timeout: float
+        self, argv: Sequence[str], env: dict[str, str], stderr: Path, timeout: float
     ) -> None:
         self.stderr_path, self.timeout = stderr, timeout
         self._stderr = stderr.open("ab")
         self._buffer = b""
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", CHILD_MODULE, "serve", json.dumps(config)],
+            list(argv),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,

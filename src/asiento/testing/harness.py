@@ -41,7 +41,7 @@ from ._child import ChildConfig
 from ._drive import ParentFaults, RunDriver, drive
 from ._plants import PLANTS
 from ._reader import Reader, reader_for
-from ._server import ForkServer, HarnessError, child_env
+from ._server import ForkServer, HarnessError, child_env, serve_argv
 from ._stores import backend, pg_application_name
 from .invariants import (
     RunHistory,
@@ -168,7 +168,8 @@ class CrashHarness:
         try:
             for i in range(count):
                 err = self.workdir / f"server{i}.{self.prefix}.stderr"
-                started.append(ForkServer(self.config(i), self.env, err, self.timeout))
+                argv = serve_argv(self.config(i))
+                started.append(ForkServer(argv, self.env, err, self.timeout))
             yield started
         finally:
             for server in started:
