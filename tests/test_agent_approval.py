@@ -194,7 +194,7 @@ async def test_deciding_twice_is_refused(journal: Journal, second: Any) -> None:
     """A step already approved cannot be approved or denied again."""
     await suspended(journal)
     await approve(journal.open(), RUN, "m1.t1", by="ana")
-    with pytest.raises(ApprovalError, match="was already (approved|denied) by ana"):
+    with pytest.raises(ApprovalError, match=r"was already (approved|denied) by ana"):
         await second(journal.open(), RUN, "m1.t1", by="bob")
     (approval,) = [e for e in await journal.open().load(RUN) if e.phase == Phase.APPROVAL]
     assert approval.payload["by"] == "ana"
@@ -210,7 +210,7 @@ async def test_approving_a_step_not_awaiting_is_refused(journal: Journal, step_i
         after_tool,
     )
     before = await journal.open().load(RUN)
-    with pytest.raises(ApprovalError, match="not awaiting approval|has no step"):
+    with pytest.raises(ApprovalError, match=r"not awaiting approval|has no step"):
         await approve(journal.open(), RUN, step_id, by="ana")
     assert await journal.open().load(RUN) == before
 
