@@ -173,10 +173,8 @@ def _sqlite(url: str, rest: str) -> StoreAddress:
 async def _postgres(dsn: str) -> Checkpointer:
     try:
         from .postgres import PostgresCheckpointer
-    except ImportError as exc:
-        raise UsageError(
-            f"PostgreSQL journals need psycopg: pip install 'asiento[postgres]' ({exc})"
-        ) from exc
+    except ImportError as exc:  # its message names the extra to install
+        raise UsageError(str(exc)) from exc
     return await PostgresCheckpointer.connect(dsn)
 
 
