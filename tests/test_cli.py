@@ -302,6 +302,20 @@ def test_a_missing_store_is_an_error_and_is_not_created(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_directory_as_store_says_so_in_plain_words(tmp_path: Path) -> None:
+    """`--store` naming a directory is one line saying it is a directory and naming a file
+    in it to pass instead; the directory is left as it is."""
+    (tmp_path / "journals").mkdir()
+    proc = cli("runs", "--store", "journals", cwd=tmp_path)
+    assert_one_line_error(
+        proc,
+        "journals is a directory, not a journal; pass --store PATH_OR_URL naming the "
+        "journal's file (such as journals/runs.db)",
+    )
+    assert "no journal at journals is" not in proc.stderr
+    assert list((tmp_path / "journals").iterdir()) == []
+
+
 async def test_an_unknown_run_is_an_error(tmp_path: Path) -> None:
     """`show` and `approve` on a run the journal does not hold name it and exit 1."""
     await suspended(tmp_path / "runs.db", "run-1")
