@@ -242,8 +242,7 @@ async def test_deny_without_reason_is_refused(tmp_path: Path) -> None:
     """`deny` requires --reason: the model is told why, so a reason must exist."""
     await suspended(tmp_path / "runs.db", "run-1")
     proc = cli("deny", "run-1", "m1.t1", "--by", "ana", cwd=tmp_path)
-    assert proc.returncode == 2
-    assert "--reason" in proc.stderr
+    assert_one_line_error(proc, "Missing option '--reason'")
     shown = json.loads(cli("show", "run-1", "--json", cwd=tmp_path).stdout)
     assert [e["phase"] for e in shown["events"]] == ["result", "intent"]
 
@@ -314,6 +313,39 @@ def test_a_directory_as_store_says_so_in_plain_words(tmp_path: Path) -> None:
     )
     assert "no journal at journals is" not in proc.stderr
     assert list((tmp_path / "journals").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("approve", "run-1", "m1.t1"), "Missing option '--by'."),
+        (("resolve", "run-1", "m1.t1", "--happened"), "Missing option '--by'."),
+        (("abandon", "run-1", "--reason", "x"), "Missing option '--by'."),
+        (("approve", "run-1", "--by", "ana"), "Missing argument 'STEP'."),
+        (("runs", "--status", "asleep"), "Invalid value for '--status'"),
+        (("show", "run-1", "--colour"), "No such option '--colour'"),
+        (("shwo",), "No such command 'shwo'."),
+    ],
+)
+async def test_a_usage_error_is_one_line_and_exit_status_1(
+    tmp_path: Path, args: tuple[str, ...], says: str
+) -> None:
+    """A missing --by (or argument), a bad choice, an unknown option or command is one line
+    on stderr naming it and how to get help, exit status 1, like every other error; nothing
+    is recorded."""
+    await suspended(tmp_path / "runs.db", "run-1")
+    before = json.loads(cli("show", "run-1", "--json", cwd=tmp_path).stdout)["events"]
+    proc = cli(*args, cwd=tmp_path)
+    assert_one_line_error(proc, says, "for help.")
+    assert "Usage:" not in proc.stderr
+    assert json.loads(cli("show", "run-1", "--json", cwd=tmp_path).stdout)["events"] == before
+
+
+def test_asiento_alone_still_prints_its_help(tmp_path: Path) -> None:
+    """`asiento` with no command prints its help, as before (not an error line)."""
+    proc = cli(cwd=tmp_path)
+    assert "Usage:" in proc.stdout + proc.stderr
+    assert "Commands:" in proc.stdout + proc.stderr
 
 
 async def test_an_unknown_run_is_an_error(tmp_path: Path) -> None:

@@ -5,8 +5,8 @@ Every command on a journal takes ``--store PATH_OR_URL`` (an SQLite file,
 ``host=/tmp dbname=x``: whatever ``open_store`` takes; default ``./runs.db``) and goes
 through the public API: ``open_store``, the ``Checkpointer`` protocol,
 ``approve``, ``deny``, ``resolve``. None touches the database directly, and none
-creates a journal: a missing SQLite file is an error. Any asiento error is one
-line on stderr and exit status 1.
+creates a journal: a missing SQLite file is an error. Any error (an asiento error,
+or a usage error such as a missing ``--by``) is one line on stderr and exit status 1.
 """
 
 from __future__ import annotations
@@ -113,7 +113,39 @@ def load_target(target: str) -> object:
     return found
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLineUsage(click.Group):
+    """The ``asiento`` group: a usage error (a missing ``--by``, an unknown option or
+    command) is one line and exit status 1, like every other error, not click's usage
+    block and status 2. ``asiento`` alone still prints its help."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+
+def _one_line(exc: click.UsageError) -> click.ClickException:
+    if isinstance(exc, click.exceptions.NoArgsIsHelpError):
+        return exc  # the help it prints is what a bare `asiento` asks for
+    ctx = exc.ctx
+    hint = f" Try '{ctx.command_path} {ctx.help_option_names[0]}' for help." if ctx else ""
+    return CommandError(exc.format_message() + hint)
+
+
+@click.group(cls=_OneLineUsage, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="asiento")
 def main() -> None:
     """Resume LLM agents after a crash without repeating model calls or effects.
