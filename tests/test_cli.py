@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -245,6 +246,28 @@ async def test_deny_without_reason_is_refused(tmp_path: Path) -> None:
     assert_one_line_error(proc, "Missing option '--reason'")
     shown = json.loads(cli("show", "run-1", "--json", cwd=tmp_path).stdout)
     assert [e["phase"] for e in shown["events"]] == ["result", "intent"]
+
+
+async def test_the_uncertain_error_names_the_command_that_resolves_it(tmp_path: Path) -> None:
+    """UncertainEffect's message gives the `asiento resolve` command besides the Python call;
+    run as printed (with a name), it records the finding and the next pass does not pay."""
+    db = tmp_path / "runs.db"
+    with pytest.raises(Killed):
+        await drive(db, "run 1", dies=True)
+    with pytest.raises(UncertainEffect) as stopped:
+        await drive(db, "run 1")
+    message = str(stopped.value)
+    assert "asiento.resolve(store, 'run 1', 'm1.t1', happened=...)" in message
+    command = re.search(r"`(asiento resolve [^`]+)`", message)
+    assert command is not None, message
+    assert command.group(1) == (
+        "asiento resolve 'run 1' m1.t1 --happened [--remote-id ID] | --not-happened --by NAME"
+    )
+    argv = [*shlex.split(command.group(1).split(" [")[0])[1:], "--by", "ana"]
+    proc = cli(*argv, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    _, executions = await drive(db, "run 1")
+    assert executions == 0
 
 
 async def test_resolve_happened_feeds_the_recorded_outcome(tmp_path: Path) -> None:
