@@ -239,6 +239,61 @@ async def test_deny_feeds_the_denial_to_the_model(tmp_path: Path) -> None:
     assert [(s.status, s.result) for s in denied] == [("denied", "too much")]
 
 
+MEMO = {"amount": 120, "to": "ACME", "memo": "invoice 2026-11 for consulting services rendered"}
+
+
+async def memo_run(db: Path, run_id: str) -> None:
+    """A run suspended on a payment whose arguments are longer than an 80-column cell."""
+    script = [ModelResponse(tool_calls=[ToolCall(name="pay", arguments=MEMO)]), ModelResponse()]
+
+    @tool
+    def pay(amount: int, to: str, memo: str) -> str:
+        """Pay an amount, with a memo."""
+        return "tx-1"
+
+    store = SqliteCheckpointer(db)
+    try:
+        session = Session(run_id, ScriptedGateway(script), store)
+        agent = Agent(tools=[pay], policy=require_approval_for("pay"))
+        steps = [s async for s in agent.run("pay with a memo", session=session)]
+    finally:
+        await store.close()
+    assert isinstance(steps[-1], ApprovalStep)
+
+
+def cell_lines(out: str, step_id: str) -> list[str]:
+    """The lines of the last column ("what") of ``step_id``'s first row in a rich table."""
+    lines = out.splitlines()
+    start = next(n for n, line in enumerate(lines) if line.startswith(f"│ {step_id} "))
+    cells = [lines[start]]
+    for line in lines[start + 1 :]:
+        if not line.startswith("│ ") or line.split("│")[1].strip():
+            break
+        cells.append(line)
+    return [line.split("│")[-2].strip() for line in cells]
+
+
+async def test_show_at_80_columns_cuts_json_only_between_words(tmp_path: Path) -> None:
+    """In an 80-column terminal `show` wraps and shortens a call's JSON between words and
+    members, never inside one: its lines, joined by spaces, give the call's own text."""
+    await memo_run(tmp_path / "runs.db", "run-1")
+    out = cli("show", "run-1", cwd=tmp_path, env={"COLUMNS": "80"}).stdout
+    assert max(len(line) for line in out.splitlines()) <= 80
+    args = json.dumps(MEMO, ensure_ascii=False, separators=(", ", ":"))
+    whole = f"pay({args})"
+    for step_id, said in (("m1", f"asks {whole}"), ("m1.t1", whole)):
+        pieces = cell_lines(out, step_id)
+        assert len(pieces) > 1, out  # it did not fit one line of the cell
+        shown = " ".join(pieces)
+        kept = shown.removesuffix("…").rstrip()
+        assert said.startswith(kept), (shown, said)
+        assert kept == said or said[len(kept)] == " ", (shown, said)  # cut at a word's end
+    waiting = out[out.index("awaiting approval:") : out.index("  asiento approve")]
+    assert " ".join(waiting.split()) == f"awaiting approval: m1.t1 {whole}, fingerprint " + (
+        waiting.split()[-1]
+    )
+
+
 async def test_deny_without_reason_is_refused(tmp_path: Path) -> None:
     """`deny` requires --reason: the model is told why, so a reason must exist."""
     await suspended(tmp_path / "runs.db", "run-1")

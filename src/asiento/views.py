@@ -192,12 +192,22 @@ def _text(value: Any) -> str:
 
 
 def inline_json(value: Any) -> str:
-    """JSON on one line, as compact as it gets."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    """JSON on one line, compact but for a space after each comma: a narrow terminal or
+    cell wraps it between members, not inside one."""
+    return json.dumps(value, ensure_ascii=False, separators=(", ", ":"))
 
 
 def clip(text: str, width: int = SUMMARY_WIDTH) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
+    """``text`` in at most ``width`` characters, shortened with "…" at the end of a word
+    (or a JSON member), not inside one, unless its last word is longer than half of it."""
+    if len(text) <= width:
+        return text
+    head = text[: width - 1]
+    if not text[width - 1].isspace():  # the cut falls inside a word: back to its start
+        start = head.rfind(" ")
+        if start >= width // 2:
+            head = head[:start]
+    return head.rstrip() + "…"
 
 
 def when(timestamp: float | None) -> str:
