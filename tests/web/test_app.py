@@ -145,6 +145,33 @@ async def test_an_effect_awaiting_approval_shows_its_prepared_payload(tmp_path: 
     assert f'name="fp" value="{approval.fingerprint}"' in card.group(0)
 
 
+async def test_the_state_says_whether_a_process_drives_the_run(tmp_path: Path) -> None:
+    """A run stored as running that no process drives is shown `ready to resume` in the list,
+    on its page (with what to do next) and in /api/runs (`state`; `status` unchanged)."""
+    db = tmp_path / "runs.db"
+    await suspended(db, "invoice-42")
+    with page(db) as client:
+        login(client, "ana")
+        client.post("/approve", data=decision(client, "invoice-42", reason="checked"))
+        listing = client.get("/").text
+        run = client.get("/runs/invoice-42").text
+        api = client.get("/api/runs").json()
+        one = client.get("/api/runs/invoice-42").json()
+    assert re.findall(r'<a href="/runs/([^"]+)">.*?badge ([\w-]+)">([^<]+)<', listing, re.S) == [
+        ("invoice-42", "ready-to-resume", "ready to resume")
+    ]
+    assert "<th>state</th>" in listing
+    facts = re.search(r'<dd class="state">(.*?)</dd>', run, re.S)
+    assert facts is not None
+    assert " ".join(facts.group(1).split()) == (
+        "ready to resume (status running): no process drives it now (it was decided, stopped "
+        "or killed since its last pass). Next: run its agent again with the same run_id, "
+        "Session(&#39;invoice-42&#39;, gateway, store), to go on."
+    )
+    assert [(r["status"], r["state"]) for r in api] == [("running", "ready to resume")]
+    assert (one["status"], one["state"]) == ("running", "ready to resume")
+
+
 async def test_an_unknown_run_is_404(tmp_path: Path) -> None:
     """A run the journal does not hold is a 404 page naming it."""
     db = tmp_path / "runs.db"
@@ -165,6 +192,10 @@ async def test_approving_records_the_approval_and_the_run_pays_once(tmp_path: Pa
         assert answer.status_code == 200
         assert answer.url.path == "/runs/invoice-42"
         assert banner(answer.text).startswith("Recorded: step m1.t1 approved by ana")
+        assert banner(answer.text).endswith(
+            "The run is ready to resume: run its agent again with the same run_id, "
+            "Session(&#39;invoice-42&#39;, gateway, store), to go on."
+        )
     [approval] = await people(db, "invoice-42")
     assert approval.decision == "approved"
     assert {k: approval.payload[k] for k in ("by", "reason", "fp")} == {

@@ -199,18 +199,24 @@ def demo_pass(store: Path, counts: Path, number: int) -> None:
     "statuses",
     multiple=True,
     type=click.Choice([s.value for s in RunStatus]),
-    help="Only runs in this status; repeat for several.",
+    help=(
+        "Only runs in this stored status (running: running, ready to resume and waiting "
+        "for a worker); repeat for several."
+    ),
 )
 @json_option
 def runs(store: str, statuses: tuple[str, ...], as_json: bool) -> None:
-    """List the runs, oldest first, with their steps, lease and what they cost.
+    """List the runs, oldest first, with their state, steps, lease and what they cost.
 
-    Per run: status, steps (model steps plus the tool calls the model asked for;
-    a retry is not a new step), last activity, the lease holder (while a session
-    drives it), model calls, tokens and cost paid, and "replayed" / "saved": the
-    model calls (and their tokens and cost) that resumed passes took from the
-    journal instead of paying for them again. --json also gives the journal
-    records ("events").
+    Per run: its state (its stored status read with its lease: "running" only while
+    a session holds the lease; a run that may go on and that no process drives is
+    "ready to resume" or, submitted, "waiting for a worker"; else suspended,
+    uncertain, parked or closed), steps (model steps plus the tool calls the model
+    asked for; a retry is not a new step), last activity, the lease holder (while a
+    session drives it), model calls, tokens and cost paid, and "replayed" / "saved":
+    the model calls (and their tokens and cost) that resumed passes took from the
+    journal instead of paying for them again. --json gives "status" (stored),
+    "state", "next" (what to do next) and the journal records ("events").
     """
 
     async def job(journal: Checkpointer) -> list[RunInfo]:
@@ -229,11 +235,12 @@ def runs(store: str, statuses: tuple[str, ...], as_json: bool) -> None:
 @store_option
 @json_option
 def show(run_id: str, store: str, as_json: bool) -> None:
-    """Show a run's timeline, its effects and what it awaits.
+    """Show a run's state, its timeline, its effects and what it awaits.
 
     The timeline is step by step and phase by phase, with decisions; effect
     records show idem_key, status, remote_id and attempts; the steps waiting
-    for a person come last, with the command that decides each.
+    for a person come last, with the command that decides each, or, when none
+    waits, what the run's state means and what to do next.
     """
 
     async def job(journal: Checkpointer) -> tuple[RunInfo, list[StepEvent]]:
@@ -264,6 +271,12 @@ def _hint_store(store: str) -> str:
 # -- deciding ------------------------------------------------------------------------------
 
 
+def _what_next(info: RunInfo, store: str) -> str:
+    """What the run is now and what to do next, after a person's decision."""
+    state = views.run_state(info, store_hint=_hint_store(store))
+    return f"The run is {state.name}: {state.next}."
+
+
 @main.command()
 @click.argument("run_id", metavar="RUN")
 @click.argument("step_id", metavar="STEP")
@@ -284,16 +297,16 @@ def approve(
     already.
     """
 
-    async def job(journal: Checkpointer) -> views.Waiting:
+    async def job(journal: Checkpointer) -> tuple[views.Waiting, RunInfo]:
         waiting = await pending_approval(journal, run_id, step_id)
         fp = fingerprint if fingerprint is not None else waiting.fingerprint
         await approve_step(journal, run_id, step_id, by=by, reason=reason, fingerprint=fp)
-        return waiting
+        return waiting, await views.find_run(journal, run_id)
 
-    waiting = with_store(store, job)
+    waiting, info = with_store(store, job)
     click.echo(f"approved run {run_id!r} step {step_id!r} (by {by}); these exact arguments:")
     click.echo(views.call_lines(waiting))
-    click.echo("Resume the run to go on (a worker picks up a submitted run by itself).")
+    click.echo(_what_next(info, store))
 
 
 @main.command()
@@ -308,16 +321,17 @@ def deny(run_id: str, step_id: str, by: str, reason: str, store: str) -> None:
     Refused when the step is not awaiting a decision or was decided already.
     """
 
-    async def job(journal: Checkpointer) -> views.Waiting:
+    async def job(journal: Checkpointer) -> tuple[views.Waiting, RunInfo]:
         waiting = await pending_approval(journal, run_id, step_id)
         fp = waiting.fingerprint
         await deny_step(journal, run_id, step_id, by=by, reason=reason, fingerprint=fp)
-        return waiting
+        return waiting, await views.find_run(journal, run_id)
 
-    waiting = with_store(store, job)
+    waiting, info = with_store(store, job)
     click.echo(f"denied run {run_id!r} step {step_id!r} (by {by}: {reason}); it asked for:")
     click.echo(views.call_lines(waiting))
-    click.echo("Resume the run to go on: the model is told about the denial.")
+    click.echo("The model is told about the denial when the run goes on.")
+    click.echo(_what_next(info, store))
 
 
 @main.command()
@@ -351,17 +365,18 @@ def resolve(
     if remote_id is not None and not happened:
         raise CommandError("--remote-id names an effect that happened; drop it or say --happened")
 
-    async def job(journal: Checkpointer) -> views.Waiting:
+    async def job(journal: Checkpointer) -> tuple[views.Waiting, RunInfo]:
         waiting = await pending_resolution(journal, run_id, step_id)
         await resolve_step(
             journal, run_id, step_id, happened=happened, by=by, remote_id=remote_id, reason=reason
         )
-        return waiting
+        return waiting, await views.find_run(journal, run_id)
 
-    waiting = with_store(store, job)
+    waiting, info = with_store(store, job)
     found = "happened" if happened else "did not happen (the next pass runs it once more)"
     click.echo(f"recorded: run {run_id!r} step {step_id!r} {found} (by {by}); the effect:")
     click.echo(views.call_lines(waiting))
+    click.echo(_what_next(info, store))
 
 
 @main.command()
@@ -400,11 +415,12 @@ def abandon(run_id: str, by: str, reason: str, store: str) -> None:
 def unpark(run_id: str, by: str, reason: str, store: str) -> None:
     """Give a parked run back to the workers, with a fresh count of claims."""
 
-    async def job(journal: Checkpointer) -> None:
+    async def job(journal: Checkpointer) -> RunInfo:
         await unpark_run(journal, run_id, by=by, reason=reason)
+        return await views.find_run(journal, run_id)
 
-    with_store(store, job)
-    click.echo(f"run {run_id!r} is running again; the next worker to look will claim it")
+    info = with_store(store, job)
+    click.echo(f"run {run_id!r} is unparked. {_what_next(info, store)}")
 
 
 # -- servers -------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import jinja2
 
 STYLE = """
 :root { --fg:#1d2125; --muted:#5f6b76; --line:#d9dee3; --bg:#f6f7f9; --card:#fff;
-  --ok:#1a7f37; --warn:#9a6700; --bad:#cf222e; --run:#0969da; --park:#8250df; }
+  --ok:#1a7f37; --warn:#9a6700; --bad:#cf222e; --run:#0969da; --park:#8250df;
+  --ready:#bc4c00; --queued:#57606a; }
 * { box-sizing: border-box; }
 body { margin:0; font:14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif;
   color:var(--fg); background:var(--bg); }
@@ -39,7 +40,8 @@ pre { margin:0; white-space:pre-wrap; word-break:break-all; }
   font-weight:600; color:#fff; }
 .running { background:var(--run); } .suspended { background:var(--warn); }
 .uncertain { background:var(--bad); } .closed { background:var(--ok); }
-.parked { background:var(--park); }
+.parked { background:var(--park); } .ready-to-resume { background:var(--ready); }
+.waiting-for-a-worker { background:var(--queued); }
 .filters a { margin-right:.7rem; }
 .filters a.on { font-weight:700; color:var(--fg); text-decoration:none; }
 .banner { padding:.6rem .9rem; border-radius:6px; margin:.6rem 0 1rem; border:1px solid; }
@@ -158,13 +160,13 @@ RUNS = """{% extends "base.html" %}{% from "card.html" import card %}
 {% else %}<p class="muted">Nothing waits for a person.</p>{% endif %}
 <h2>{{ status or "All" }} runs</h2>
 <table class="runs">
-<thead><tr><th>run</th><th>status</th><th>steps</th><th>last activity</th><th>lease</th>
+<thead><tr><th>run</th><th>state</th><th>steps</th><th>last activity</th><th>lease</th>
 <th>calls</th><th>tokens in/out</th><th>cost</th><th>replayed</th><th>saved in/out</th>
 <th>saved cost</th></tr></thead>
 <tbody>
-{% for r in runs %}<tr>
+{% for r in runs %}{% set st = r|state %}<tr>
   <td><a href="{{ r.run_id|runurl }}">{{ r.run_id }}</a></td>
-  <td><span class="badge {{ r.status.value }}">{{ r.status.value }}</span></td>
+  <td><span class="badge {{ st.css }}">{{ st.name }}</span></td>
   <td class="num">{{ r.steps }}</td><td class="at">{{ r.updated_at|when }}</td>
   <td class="mono">{{ r|lease }}</td>
   <td class="num">{{ r.model_calls }}</td>
@@ -179,10 +181,14 @@ RUNS = """{% extends "base.html" %}{% from "card.html" import card %}
 
 RUN = """{% extends "base.html" %}{% from "card.html" import card %}
 {% block title %}{{ run.run_id }}{% endblock %}
-{% block main %}
+{% block main %}{% set st = run|state %}
+{% set people = waiting|selectattr("needs_person")|list %}
 <h1>Run <code>{{ run.run_id }}</code>
-  <span class="badge {{ run.status.value }}">{{ run.status.value }}</span></h1>
+  <span class="badge {{ st.css }}">{{ st.name }}</span></h1>
 <dl class="facts">
+  <dt>state</dt><dd class="state">{{ st.name }}{% if st.name != run.status.value %} (status
+    {{ run.status.value }}){% endif %}: {{ st.meaning }}.{% if not people %}
+    Next: {{ st.next }}.{% endif %}</dd>
   <dt>steps</dt><dd>{{ run.steps }} ({{ run.model_calls }} model, {{ run.tool_steps }} tool)</dd>
   <dt>records</dt><dd>{{ run.events }}</dd>
   <dt>started</dt><dd>{{ run.created_at|when }}</dd>
@@ -197,7 +203,6 @@ RUN = """{% extends "base.html" %}{% from "card.html" import card %}
     claimed {{ run.attempts }}×)</dd>{% endif %}
   {% if run.reason %}<dt>note</dt><dd>{{ run.reason }}</dd>{% endif %}
 </dl>
-{% set people = waiting|selectattr("needs_person")|list %}
 {% if people %}<h2>Waiting for a person</h2>
 <div class="cards">{% for w in people %}{{ card(w, csrf, operator) }}{% endfor %}</div>{% endif %}
 {% for w in waiting if not w.needs_person %}
