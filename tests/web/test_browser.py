@@ -216,22 +216,27 @@ async def test_without_the_token_the_browser_sees_only_the_login_form(
         assert await page.locator(".card.approval").count() == 1
 
 
-async def test_a_write_without_the_token_is_refused_in_the_browser(
+async def test_a_reader_not_logged_in_is_offered_no_decision_in_the_browser(
     open_server: Server, tmp_path: Path
 ) -> None:
-    """With --open-reading the page shows the run without the token, but clicking Approve
-    without logging in shows the refusal and records nothing."""
+    """With --open-reading the page shows the run without the token, with no Approve / Deny
+    buttons: a line says to log in to decide, and logging in there brings them back."""
     server = open_server
     async with browser(tmp_path) as context:
         page = await context.new_page()
         await page.goto(server.url + "runs/invoice-42")
-        async with page.expect_navigation() as navigation:
-            await page.click(".card.approval button.approve")
-        answer = await navigation.value
-        assert answer is not None
-        assert answer.status == 401
-        assert "needs the operator token" in await page.locator('[role="status"]').inner_text()
-        await shot(page, "refused-without-token")
+        card = page.locator(".card.approval")
+        assert '"amount": 120' in await card.locator("pre.args").inner_text()
+        assert await page.locator("button.approve, button.deny, button.happened").count() == 0
+        line = await card.locator(".login-to-decide").inner_text()
+        assert " ".join(line.split()) == "Log in with the operator token to approve or deny."
+        await shot(page, "reading-without-token")
+        await card.locator(".login-to-decide a").click()
+        await page.fill("#by", "ana")
+        await page.fill("#token", TOKEN)
+        await page.click("button:has-text('Log in')")
+        assert page.url.endswith("/runs/invoice-42")
+        assert await page.locator(".card.approval button.approve").count() == 1
     assert await approvals(server.db, "invoice-42") == []
 
 

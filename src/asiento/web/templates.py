@@ -117,6 +117,7 @@ CARD = """{% macro card(w, csrf, operator) %}
     <dt>submitted</dt><dd>{{ w.since|when }}</dd>{% endif %}
     <dt>fingerprint</dt><dd class="mono">{{ w.fingerprint }}</dd>
   </dl>
+  {% if operator %}
   <form method="post">
     <input type="hidden" name="run_id" value="{{ w.run_id }}">
     <input type="hidden" name="step_id" value="{{ w.step_id }}">
@@ -141,7 +142,11 @@ CARD = """{% macro card(w, csrf, operator) %}
     </div>
     {% endif %}
   </form>
-  {% if not operator %}<p class="muted">Log in with the operator token to decide.</p>{% endif %}
+  {% else %}
+  <p class="muted login-to-decide"><a href="/login?next={{ (w.run_id|runurl)|urlencode }}">Log
+    in</a> with the operator token to {% if w.kind == 'approval' %}approve or deny{% else %}say
+    whether it happened{% endif %}.</p>
+  {% endif %}
 </div>
 {% endmacro %}"""
 
