@@ -23,7 +23,7 @@ header form { margin:0; }
 header button { background:none; border:1px solid #8b949e; color:#fff; border-radius:4px;
   padding:.15rem .5rem; cursor:pointer; }
 main { padding:1rem 1.4rem 3rem; max-width:1200px; }
-h1 { font-size:1.35rem; margin:.4rem 0 .8rem; }
+h1 { font-size:1.35rem; margin:.4rem 0 .8rem; overflow-wrap:anywhere; }
 h2 { font-size:1.05rem; margin:1.4rem 0 .5rem; }
 a { color:var(--run); }
 table { border-collapse:collapse; width:100%; background:var(--card);
@@ -31,12 +31,15 @@ table { border-collapse:collapse; width:100%; background:var(--card);
 th, td { text-align:left; padding:.35rem .55rem; border-bottom:1px solid var(--line);
   vertical-align:top; overflow-wrap:anywhere; }
 td.at { white-space:nowrap; }
+table.timeline th, table.effects th, table.timeline td:nth-child(-n+3),
+table.effects td:first-child { overflow-wrap:normal; }
 th { background:#eef1f4; font-weight:600; font-size:.85rem; }
 td.num { text-align:right; font-variant-numeric:tabular-nums; }
 tr.first td { border-top:2px solid var(--line); }
 code, pre, .mono { font-family:ui-monospace, SFMono-Regular, Menlo, monospace; font-size:.85rem; }
 pre { margin:0; white-space:pre-wrap; word-break:break-all; }
 .badge { display:inline-block; padding:.05rem .5rem; border-radius:1rem; font-size:.8rem;
+  overflow-wrap:normal; text-align:center;
   font-weight:600; color:#fff; }
 .running { background:var(--run); } .suspended { background:var(--warn); }
 .uncertain { background:var(--bad); } .closed { background:var(--ok); }
@@ -48,15 +51,16 @@ pre { margin:0; white-space:pre-wrap; word-break:break-all; }
 .banner.ok { background:#dafbe1; border-color:#4ac26b; }
 .banner.error { background:#ffebe9; border-color:#ff8182; }
 .banner.info { background:#ddf4ff; border-color:#54aeff; }
-.cards { display:grid; grid-template-columns:repeat(auto-fill, minmax(360px, 1fr)); gap:.8rem;
-  align-items:start; }
+.cards { display:grid; grid-template-columns:repeat(auto-fill, minmax(min(360px, 100%), 1fr));
+  gap:.8rem; align-items:start; }
 .card { background:var(--card); border:1px solid var(--line); border-left:4px solid var(--warn);
-  border-radius:6px; padding:.7rem .9rem; }
+  border-radius:6px; padding:.7rem .9rem; min-width:0; }
 .card.resolution { border-left-color:var(--bad); }
-.card h3 { margin:0 0 .4rem; font-size:.95rem; }
-.card dl { display:grid; grid-template-columns:max-content 1fr; gap:.2rem .7rem; margin:.3rem 0; }
+.card h3 { margin:0 0 .4rem; font-size:.95rem; overflow-wrap:anywhere; }
+.card dl { display:grid; grid-template-columns:max-content minmax(0, 1fr); gap:.2rem .7rem;
+  margin:.3rem 0; }
 .card dt { color:var(--muted); }
-.card dd { margin:0; }
+.card dd { margin:0; min-width:0; overflow-wrap:anywhere; }
 .card input[type=text] { width:100%; padding:.3rem; margin:.2rem 0 .4rem;
   border:1px solid var(--line); border-radius:4px; }
 .actions { display:flex; gap:.5rem; }
