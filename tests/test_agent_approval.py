@@ -25,6 +25,7 @@ from asiento import (
     ToolCall,
     ToolStep,
     UncertainEffect,
+    UsageError,
     approve,
     deny,
     require_approval_for,
@@ -221,6 +222,60 @@ async def test_approval_with_a_wrong_fingerprint_records_nothing(journal: Journa
         await approve(journal.open(), RUN, "m1.t1", by="ana", fingerprint="0" * 64)
     assert await phases(journal.open(), "m1.t1") == [Phase.INTENT]
     assert await status_of(journal) == RunStatus.SUSPENDED
+
+
+async def test_a_wrong_fingerprint_is_named_a_fingerprint(journal: Journal) -> None:
+    """The refusal names the fingerprint shown and the frozen one as fingerprints, not as
+    arguments."""
+    shown = await suspended(journal)
+    with pytest.raises(ApprovalError) as refused:
+        await approve(journal.open(), RUN, "m1.t1", by="ana", fingerprint="0" * 64)
+    message = str(refused.value)
+    assert f"shown the arguments of fingerprint {'0' * 64!r}" in message
+    assert f"the step froze fingerprint {shown.fingerprint!r}" in message
+    assert "arguments '0" not in message
+
+
+@pytest.mark.parametrize("decide", [approve, deny])
+async def test_an_upper_case_fingerprint_is_the_same_fingerprint(
+    journal: Journal, decide: Any
+) -> None:
+    """A fingerprint typed in upper case (hex) is the one shown: the decision is recorded."""
+    shown = await suspended(journal)
+    upper = shown.fingerprint.upper()
+    assert upper != shown.fingerprint
+    event = await decide(journal.open(), RUN, "m1.t1", by="ana", reason="ok", fingerprint=upper)
+    assert event.payload["fp"] == shown.fingerprint  # the frozen one is what is recorded
+    calls: list[str] = []
+    await drive(guarded(calls), ScriptedGateway(ECHO_SCRIPT), journal.open())
+    assert calls == (["hi"] if decide is approve else [])
+
+
+async def test_a_recorded_approval_in_upper_case_approves_the_step(journal: Journal) -> None:
+    """An approval record whose fingerprint differs from the intent's only in letter case
+    approves it: the resumed run runs the step once."""
+    shown = await suspended(journal)
+    record = StepEvent(
+        run_id=RUN,
+        step_id="m1.t1",
+        phase=Phase.APPROVAL,
+        decision=Decision.APPROVED,
+        payload={"approved": True, "by": "a script", "reason": "", "fp": shown.fingerprint.upper()},
+    )
+    await journal.open().append(record, status=RunStatus.RUNNING)
+    calls: list[str] = []
+    steps = await drive(guarded(calls), ScriptedGateway(ECHO_SCRIPT), journal.open())
+    assert calls == ["hi"]
+    assert isinstance(steps[-1], FinalStep)
+
+
+@pytest.mark.parametrize("decide", [approve, deny])
+async def test_deciding_on_an_unknown_run_says_unknown_run(journal: Journal, decide: Any) -> None:
+    """approve() / deny() on a run the journal does not hold say "unknown run", as the CLI."""
+    await suspended(journal)
+    with pytest.raises(UsageError, match="unknown run 'ghost' in this journal"):
+        await decide(journal.open(), "ghost", "m1.t1", by="ana", reason="no")
+    assert [i.run_id for i in await journal.open().runs()] == [RUN]
 
 
 async def test_forged_approval_approves_nothing(journal: Journal) -> None:

@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -238,14 +239,91 @@ async def test_deny_feeds_the_denial_to_the_model(tmp_path: Path) -> None:
     assert [(s.status, s.result) for s in denied] == [("denied", "too much")]
 
 
+MEMO = {"amount": 120, "to": "ACME", "memo": "invoice 2026-11 for consulting services rendered"}
+
+
+async def memo_run(db: Path, run_id: str) -> None:
+    """A run suspended on a payment whose arguments are longer than an 80-column cell."""
+    script = [ModelResponse(tool_calls=[ToolCall(name="pay", arguments=MEMO)]), ModelResponse()]
+
+    @tool
+    def pay(amount: int, to: str, memo: str) -> str:
+        """Pay an amount, with a memo."""
+        return "tx-1"
+
+    store = SqliteCheckpointer(db)
+    try:
+        session = Session(run_id, ScriptedGateway(script), store)
+        agent = Agent(tools=[pay], policy=require_approval_for("pay"))
+        steps = [s async for s in agent.run("pay with a memo", session=session)]
+    finally:
+        await store.close()
+    assert isinstance(steps[-1], ApprovalStep)
+
+
+def cell_lines(out: str, step_id: str) -> list[str]:
+    """The lines of the last column ("what") of ``step_id``'s first row in a rich table."""
+    lines = out.splitlines()
+    start = next(n for n, line in enumerate(lines) if line.startswith(f"│ {step_id} "))
+    cells = [lines[start]]
+    for line in lines[start + 1 :]:
+        if not line.startswith("│ ") or line.split("│")[1].strip():
+            break
+        cells.append(line)
+    return [line.split("│")[-2].strip() for line in cells]
+
+
+async def test_show_at_80_columns_cuts_json_only_between_words(tmp_path: Path) -> None:
+    """In an 80-column terminal `show` wraps and shortens a call's JSON between words and
+    members, never inside one: its lines, joined by spaces, give the call's own text."""
+    await memo_run(tmp_path / "runs.db", "run-1")
+    out = cli("show", "run-1", cwd=tmp_path, env={"COLUMNS": "80"}).stdout
+    assert max(len(line) for line in out.splitlines()) <= 80
+    args = json.dumps(MEMO, ensure_ascii=False, separators=(", ", ":"))
+    whole = f"pay({args})"
+    for step_id, said in (("m1", f"asks {whole}"), ("m1.t1", whole)):
+        pieces = cell_lines(out, step_id)
+        assert len(pieces) > 1, out  # it did not fit one line of the cell
+        shown = " ".join(pieces)
+        kept = shown.removesuffix("…").rstrip()
+        assert said.startswith(kept), (shown, said)
+        assert kept == said or said[len(kept)] == " ", (shown, said)  # cut at a word's end
+    waiting = out[out.index("awaiting approval:") : out.index("  asiento approve")]
+    assert (
+        " ".join(waiting.split())
+        == f"awaiting approval: m1.t1 {whole}, fingerprint " + (waiting.split()[-1])
+    )
+
+
 async def test_deny_without_reason_is_refused(tmp_path: Path) -> None:
     """`deny` requires --reason: the model is told why, so a reason must exist."""
     await suspended(tmp_path / "runs.db", "run-1")
     proc = cli("deny", "run-1", "m1.t1", "--by", "ana", cwd=tmp_path)
-    assert proc.returncode == 2
-    assert "--reason" in proc.stderr
+    assert_one_line_error(proc, "Missing option '--reason'")
     shown = json.loads(cli("show", "run-1", "--json", cwd=tmp_path).stdout)
     assert [e["phase"] for e in shown["events"]] == ["result", "intent"]
+
+
+async def test_the_uncertain_error_names_the_command_that_resolves_it(tmp_path: Path) -> None:
+    """UncertainEffect's message gives the `asiento resolve` command besides the Python call;
+    run as printed (with a name), it records the finding and the next pass does not pay."""
+    db = tmp_path / "runs.db"
+    with pytest.raises(Killed):
+        await drive(db, "run 1", dies=True)
+    with pytest.raises(UncertainEffect) as stopped:
+        await drive(db, "run 1")
+    message = str(stopped.value)
+    assert "asiento.resolve(store, 'run 1', 'm1.t1', happened=...)" in message
+    command = re.search(r"`(asiento resolve [^`]+)`", message)
+    assert command is not None, message
+    assert command.group(1) == (
+        "asiento resolve 'run 1' m1.t1 --happened [--remote-id ID] | --not-happened --by NAME"
+    )
+    argv = [*shlex.split(command.group(1).split(" [")[0])[1:], "--by", "ana"]
+    proc = cli(*argv, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    _, executions = await drive(db, "run 1")
+    assert executions == 0
 
 
 async def test_resolve_happened_feeds_the_recorded_outcome(tmp_path: Path) -> None:
@@ -300,6 +378,53 @@ def test_a_missing_store_is_an_error_and_is_not_created(
     proc = cli(*args, "--store", "nope.db", cwd=tmp_path)
     assert_one_line_error(proc, "no journal at nope.db")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_as_store_says_so_in_plain_words(tmp_path: Path) -> None:
+    """`--store` naming a directory is one line saying it is a directory and naming a file
+    in it to pass instead; the directory is left as it is."""
+    (tmp_path / "journals").mkdir()
+    proc = cli("runs", "--store", "journals", cwd=tmp_path)
+    assert_one_line_error(
+        proc,
+        "journals is a directory, not a journal; pass --store PATH_OR_URL naming the "
+        "journal's file (such as journals/runs.db)",
+    )
+    assert "no journal at journals is" not in proc.stderr
+    assert list((tmp_path / "journals").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("approve", "run-1", "m1.t1"), "Missing option '--by'."),
+        (("resolve", "run-1", "m1.t1", "--happened"), "Missing option '--by'."),
+        (("abandon", "run-1", "--reason", "x"), "Missing option '--by'."),
+        (("approve", "run-1", "--by", "ana"), "Missing argument 'STEP'."),
+        (("runs", "--status", "asleep"), "Invalid value for '--status'"),
+        (("show", "run-1", "--colour"), "No such option '--colour'"),
+        (("shwo",), "No such command 'shwo'."),
+    ],
+)
+async def test_a_usage_error_is_one_line_and_exit_status_1(
+    tmp_path: Path, args: tuple[str, ...], says: str
+) -> None:
+    """A missing --by (or argument), a bad choice, an unknown option or command is one line
+    on stderr naming it and how to get help, exit status 1, like every other error; nothing
+    is recorded."""
+    await suspended(tmp_path / "runs.db", "run-1")
+    before = json.loads(cli("show", "run-1", "--json", cwd=tmp_path).stdout)["events"]
+    proc = cli(*args, cwd=tmp_path)
+    assert_one_line_error(proc, says, "for help.")
+    assert "Usage:" not in proc.stderr
+    assert json.loads(cli("show", "run-1", "--json", cwd=tmp_path).stdout)["events"] == before
+
+
+def test_asiento_alone_still_prints_its_help(tmp_path: Path) -> None:
+    """`asiento` with no command prints its help, as before (not an error line)."""
+    proc = cli(cwd=tmp_path)
+    assert "Usage:" in proc.stdout + proc.stderr
+    assert "Commands:" in proc.stdout + proc.stderr
 
 
 async def test_an_unknown_run_is_an_error(tmp_path: Path) -> None:
@@ -367,6 +492,117 @@ async def test_runs_shows_lease_holder_ledger_and_filters(tmp_path: Path) -> Non
     assert "cost" not in table
 
 
+KILLED_CHILD = """
+import asyncio, os, signal, sys
+from asiento import Agent, ModelResponse, Session, SqliteCheckpointer, ToolCall, tool
+from asiento.testing import ScriptedGateway
+
+@tool
+def pay(amount: int) -> str:
+    \"\"\"Pay an amount; the process is killed while it pays.\"\"\"
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "tx-1"
+
+async def main() -> None:
+    script = [ModelResponse(tool_calls=[ToolCall(name="pay", arguments={"amount": 1})])]
+    session = Session("killed", ScriptedGateway(script), SqliteCheckpointer(sys.argv[1]),
+                      lease_ttl=float(sys.argv[2]))
+    async for _ in Agent(tools=[pay]).run("pay 1", session=session):
+        pass
+
+asyncio.run(main())
+"""
+
+
+def killed_mid_run(db: Path, lease_ttl: float) -> None:
+    """A real process drives run ``killed`` and dies by SIGKILL inside its tool."""
+    argv = [sys.executable, "-c", KILLED_CHILD, str(db), str(lease_ttl)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+
+
+def states(cwd: Path) -> dict[str, tuple[str, str, str]]:
+    """run id: (status, state, next), as `runs --json` gives them."""
+    listed = json.loads(cli("runs", "--json", cwd=cwd).stdout)
+    return {r["run_id"]: (r["status"], r["state"], r["next"]) for r in listed}
+
+
+async def test_runs_says_whether_a_process_drives_a_running_run(tmp_path: Path) -> None:
+    """A run stored as `running` is shown `running` only while a session holds its lease;
+    approved with nobody driving it, it is `ready to resume` (a run of one's own program)
+    or `waiting for a worker` (submitted), in the table and in --json (whose `status` stays
+    the stored one), each with what to do next."""
+    db = tmp_path / "runs.db"
+    await suspended(db, "mine")
+    store = SqliteCheckpointer(db)
+    try:
+        await submit(store, "queued", "pay 120", agent="billing")
+        await submit(store, "driven", "pay 120", agent="billing")
+        await store.acquire("driven", Holder.here(), ttl=600)
+    finally:
+        await store.close()
+    await drive(db, "queued")  # the submitted run suspends on its payment too
+    approved = cli("approve", "mine", "m1.t1", "--by", "ana", cwd=tmp_path)
+    assert approved.stdout.splitlines()[-1] == (
+        "The run is ready to resume: run its agent again with the same run_id, "
+        "Session('mine', gateway, store), to go on."
+    )
+    queued = cli("approve", "queued", "m1.t1", "--by", "ana", "--store", "./runs.db", cwd=tmp_path)
+    assert queued.stdout.splitlines()[-1] == (
+        "The run is waiting for a worker: a worker picks it up by itself (if none runs, "
+        "start one with asiento worker --app MODULE:ATTR --store ./runs.db)."
+    )
+    found = states(tmp_path)
+    assert {run: (status, state) for run, (status, state, _) in found.items()} == {
+        "mine": ("running", "ready to resume"),
+        "queued": ("running", "waiting for a worker"),
+        "driven": ("running", "running"),
+    }
+    assert "asiento worker --app MODULE:ATTR" in found["queued"][2]
+    assert found["driven"][2] == "the session driving it goes on by itself"
+    table = cli("runs", cwd=tmp_path).stdout
+    assert re.search(r"┃\s*run\s*┃\s*state\s*┃\s*steps\s*┃", table), table
+    assert re.search(r"mine\s*│\s*ready to resume\s*│", table), table
+    assert re.search(r"queued\s*│\s*waiting for a worker\s*│", table), table
+    assert re.search(r"driven\s*│\s*running\s*│", table), table
+    shown = cli("show", "mine", cwd=tmp_path).stdout
+    assert "run 'mine' · ready to resume (status running) · 2 steps" in shown, shown
+    assert "next: run its agent again with the same run_id, Session('mine', gateway," in shown
+    whole = json.loads(cli("show", "mine", "--json", cwd=tmp_path).stdout)
+    assert (whole["status"], whole["state"], whole["run"]["state"]) == (
+        "running",
+        "ready to resume",
+        "ready to resume",
+    )
+
+
+async def test_a_run_whose_process_was_killed_is_ready_once_its_lease_expires(
+    tmp_path: Path,
+) -> None:
+    """A run whose process died by SIGKILL holds its lease until it expires (`running`:
+    the lease cannot tell a killed holder from a live one); then it is `ready to resume`."""
+    db = tmp_path / "runs.db"
+    killed_mid_run(db, lease_ttl=600)
+    assert states(tmp_path)["killed"][:2] == ("running", "running")
+    killed_mid_run(tmp_path / "short.db", lease_ttl=0.2)
+    store = SqliteCheckpointer(tmp_path / "short.db")
+    try:
+        info = await store.run("killed")
+    finally:
+        await store.close()
+    assert info is not None
+    assert info.lease_expires is not None
+    for _ in range(100):  # until the lease the killed process held has expired (20 s at most)
+        if time.time() > info.lease_expires:
+            break
+        await asyncio.sleep(0.2)
+    listed = json.loads(cli("runs", "--json", "--store", "short.db", cwd=tmp_path).stdout)
+    assert [(r["status"], r["state"]) for r in listed] == [("running", "ready to resume")]
+    shown = cli("show", "killed", "--store", "short.db", cwd=tmp_path).stdout
+    assert "run 'killed' · ready to resume (status running)" in shown, shown
+    assert "in flight: m1.t1 pay" in shown
+
+
 async def test_runs_counts_steps_not_records(tmp_path: Path) -> None:
     """`runs` shows a run's steps (model steps and tool calls), not its journal records;
     --json has steps beside the records (events), model calls and tool steps."""
@@ -376,7 +612,7 @@ async def test_runs_counts_steps_not_records(tmp_path: Path) -> None:
     await drive(db, "paid")
     await uncertain(db, "unsure")
     table = cli("runs", cwd=tmp_path).stdout
-    assert re.search(r"┃\s*run\s*┃\s*status\s*┃\s*steps\s*┃\s*activity", table)
+    assert re.search(r"┃\s*run\s*┃\s*state\s*┃\s*steps\s*┃\s*activity", table)
     assert "records" not in table
     assert re.search(r"paid\s*│\s*closed\s*│\s*3\s*│", table)
     assert re.search(r"unsure\s*│\s*uncertain\s*│\s*2\s*│", table)
@@ -884,7 +1120,8 @@ def first_lines(proc: subprocess.Popen[str], n: int) -> list[str]:
 
 
 def test_unpark_gives_a_parked_run_back_with_a_fresh_count(tmp_path: Path) -> None:
-    """`asiento unpark` sets a parked run running again and resets its claim count."""
+    """`asiento unpark` gives a parked run back to the workers (status running, waiting for a
+    worker) and resets its claim count."""
     import asyncio
 
     from asiento import RunStatus, SqliteCheckpointer, submit
@@ -902,7 +1139,9 @@ def test_unpark_gives_a_parked_run_back_with_a_fresh_count(tmp_path: Path) -> No
 
     asyncio.run(park())
     out = cli("unpark", "r1", "--by", "ana", "--reason", "fixed the tool", cwd=tmp_path)
-    assert "running again" in out.stdout
+    assert out.stdout.startswith(
+        "run 'r1' is unparked. The run is waiting for a worker: a worker picks it up by itself"
+    ), out.stdout
 
     async def check() -> None:
         store = SqliteCheckpointer(tmp_path / "runs.db")

@@ -108,3 +108,65 @@ def test_import_loads_no_optional_or_heavy_dependency() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
     )
     assert done.stdout.splitlines() == ["", "HttpEffect True"], done.stdout
+
+
+# Run first in a child: psycopg (and psycopg_pool) cannot be imported, as without the extra.
+_NO_PSYCOPG = """
+import sys
+class _NoPsycopg:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("psycopg", "psycopg_pool"):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, _NoPsycopg())
+"""
+
+
+def _without_psycopg(code: str) -> list[str]:
+    """What ``code`` prints in a child process where psycopg cannot be imported."""
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_PSYCOPG + code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return done.stdout.splitlines()
+
+
+def test_postgres_without_the_extra_names_the_extra_to_install() -> None:
+    """Without psycopg, `from asiento import PostgresCheckpointer` and importing
+    asiento.journal.postgres raise an ImportError saying `pip install 'asiento[postgres]'`,
+    as open_store and the CLI do; `import asiento` itself still works."""
+    probe = (
+        "import asiento\n"
+        "for attempt in ('from asiento import PostgresCheckpointer',\n"
+        "                'import asiento.journal.postgres'):\n"
+        "    try:\n"
+        "        exec(attempt)\n"
+        "    except ImportError as exc:\n"
+        "        print(type(exc).__name__, exc.name, '|', exc)\n"
+        "    else:\n"
+        "        print('imported')\n"
+    )
+    lines = _without_psycopg(probe)
+    assert len(lines) == 2, lines
+    for line in lines:
+        kind, name, _, message = line.split(" ", 3)
+        assert (kind, name) == ("ModuleNotFoundError", "psycopg")
+        assert "pip install 'asiento[postgres]'" in message
+        assert "No module named 'psycopg'" in message
+
+
+def test_open_store_without_the_extra_says_it_once() -> None:
+    """open_store('postgresql://...') without psycopg is a UsageError naming the extra, once."""
+    probe = (
+        "import asyncio\n"
+        "from asiento import UsageError, open_store\n"
+        "try:\n"
+        "    asyncio.run(open_store('postgresql://app@127.0.0.1:1/agents'))\n"
+        "except UsageError as exc:\n"
+        "    print(exc)\n"
+    )
+    (message,) = _without_psycopg(probe)
+    assert message.count("pip install 'asiento[postgres]'") == 1, message

@@ -49,6 +49,8 @@ Messages name the run, the step and what to do about it.
 
 from __future__ import annotations
 
+import shlex
+
 
 class AsientoError(Exception):
     """Root of every error raised by asiento."""
@@ -191,7 +193,9 @@ class UncertainEffect(RunError):
         super().__init__(
             f"run {run_id!r} step {step_id!r}: tool {tool!r} was submitted but no result was "
             f"recorded, and it is not idempotent, so nobody knows whether it happened.{extra} "
-            "Check the destination, then record what you found with "
+            "Check the destination, then record what you found: "
+            f"`asiento resolve {shlex.quote(run_id)} {shlex.quote(step_id)} --happened "
+            "[--remote-id ID] | --not-happened --by NAME`, or in Python "
             f"asiento.resolve(store, {run_id!r}, {step_id!r}, happened=...)"
         )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shlex
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -202,12 +203,22 @@ def _text(value: Any) -> str:
 
 
 def inline_json(value: Any) -> str:
-    """JSON on one line, as compact as it gets."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    """JSON on one line, compact but for a space after each comma: a narrow terminal or
+    cell wraps it between members, not inside one."""
+    return json.dumps(value, ensure_ascii=False, separators=(", ", ":"))
 
 
 def clip(text: str, width: int = SUMMARY_WIDTH) -> str:
-    return text if len(text) <= width else text[: width - 1] + "…"
+    """``text`` in at most ``width`` characters, shortened with "…" at the end of a word
+    (or a JSON member), not inside one, unless its last word is longer than half of it."""
+    if len(text) <= width:
+        return text
+    head = text[: width - 1]
+    if not text[width - 1].isspace():  # the cut falls inside a word: back to its start
+        start = head.rfind(" ")
+        if start >= width // 2:
+            head = head[:start]
+    return head.rstrip() + "…"
 
 
 def when(timestamp: float | None) -> str:
@@ -239,6 +250,94 @@ def lease_text(info: RunInfo) -> str:
     return f"{info.lease_owner[:8]} ({state})"
 
 
+# -- what a run's state means for a person ------------------------------------------------
+
+# The states a person sees. The stored ``RunStatus`` says ``running`` for every run
+# that may go on; whether a process drives it now is the lease's to say.
+RUNNING = "running"
+WAITING_FOR_A_WORKER = "waiting for a worker"
+READY_TO_RESUME = "ready to resume"
+
+# state: (what it means, what to do next); {run} is the shell-quoted run id, {py} its
+# Python literal, {store} the --store part of a command (empty for the default store).
+_STATES: dict[str, tuple[str, str]] = {
+    RUNNING: (
+        "a session holds its lease: a process drives it, or was killed less than a lease "
+        "ago (resuming it on the same machine takes the lease over at once)",
+        "the session driving it goes on by itself",
+    ),
+    WAITING_FOR_A_WORKER: (
+        "submitted to the workers, and no process drives it now",
+        "a worker picks it up by itself (if none runs, start one with "
+        "asiento worker --app MODULE:ATTR{store})",
+    ),
+    READY_TO_RESUME: (
+        "no process drives it now (it was decided, stopped or killed since its last pass)",
+        "run its agent again with the same run_id, Session({py}, gateway, store), to go on",
+    ),
+    RunStatus.SUSPENDED: (
+        "a step waits for a person to approve or deny it",
+        "approve or deny the step it awaits (asiento show {run}{store} gives the commands)",
+    ),
+    RunStatus.UNCERTAIN: (
+        "an effect was submitted and nobody knows whether it happened",
+        "check the effect's destination, then record what you found with asiento resolve "
+        "{run} STEP --happened | --not-happened --by NAME{store}",
+    ),
+    RunStatus.PARKED: (
+        "it kept failing its workers, so no worker claims it",
+        "fix what made it fail (its note says what), then give it back with "
+        "asiento unpark {run} --by NAME{store}",
+    ),
+    RunStatus.CLOSED: (
+        "it answered, or a person abandoned it",
+        "nothing more happens (resuming it returns what happened)",
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunState:
+    """What a run's status means for a person right now, and what to do next.
+
+    ``name`` is ``running`` only while a session holds the run's lease; a run that
+    may go on and that no process drives is ``waiting for a worker`` (submitted) or
+    ``ready to resume`` (a run of the user's own program). The other names are the
+    stored statuses (``suspended``, ``uncertain``, ``parked``, ``closed``).
+    """
+
+    name: str
+    meaning: str
+    next: str
+
+    @property
+    def css(self) -> str:
+        """The name as one word, for the web page's classes (``ready-to-resume``)."""
+        return self.name.replace(" ", "-")
+
+
+def run_state(info: RunInfo, *, store_hint: str = "") -> RunState:
+    """What ``info`` means for a person: the stored status read with the lease.
+
+    ``store_hint`` is what the suggested commands add to find the journal (such as
+    `` --store runs/prod.db``). The stored ``RunStatus`` is not changed: this is a view.
+    """
+    name = _state_name(info)
+    meaning, then = _STATES[name]
+    quoted, literal = shlex.quote(info.run_id), repr(info.run_id)
+    return RunState(
+        name=name, meaning=meaning, next=then.format(run=quoted, py=literal, store=store_hint)
+    )
+
+
+def _state_name(info: RunInfo) -> str:
+    if info.status != RunStatus.RUNNING:
+        return info.status.value
+    if lease_live(info):
+        return RUNNING
+    return WAITING_FOR_A_WORKER if info.task is not None else READY_TO_RESUME
+
+
 def tokens(inp: int, out: int) -> str:
     return f"{inp:,} in / {out:,} out"
 
@@ -252,7 +351,16 @@ def money(amount: float) -> str:
 
 
 def run_json(info: RunInfo) -> dict[str, Any]:
-    return {**dataclasses.asdict(info), "status": info.status.value, "steps": info.steps}
+    """A run's line in the index, with its ``steps`` and what its state means (``state``,
+    ``next``: ``run_state``); ``status`` stays the stored one."""
+    state = run_state(info)
+    return {
+        **dataclasses.asdict(info),
+        "status": info.status.value,
+        "state": state.name,
+        "next": state.next,
+        "steps": info.steps,
+    }
 
 
 def event_json(event: StepEvent) -> dict[str, Any]:
@@ -278,6 +386,7 @@ def show_json(info: RunInfo, events: Sequence[StepEvent]) -> dict[str, Any]:
     return {
         "run_id": info.run_id,
         "status": info.status.value,
+        "state": run_state(info).name,
         "run": run_json(info),
         "events": [event_json(e) for e in events],
         "effects": [effect_json(r) for r in effect_records_of(events)],

@@ -208,9 +208,14 @@ async def test_newer_schema_is_refused(sqlite_path: Path) -> None:
 
 
 def test_directory_is_a_usage_error(tmp_path: Path) -> None:
-    """A directory path is a UsageError."""
-    with pytest.raises(UsageError, match="directory"):
+    """A directory path is a UsageError that names a file to open instead."""
+    with pytest.raises(UsageError) as refused:
         SqliteCheckpointer(tmp_path)
+    assert str(refused.value) == (
+        f"{tmp_path} is a directory, not a journal file; name the journal's file "
+        f"(such as {tmp_path / 'runs.db'})"
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 async def test_corrupt_journal_raises_typed_error_and_is_not_rewritten(

@@ -47,13 +47,17 @@ def hidden(html: str, name: str) -> str:
 
 
 def decision(client: TestClient, run_id: str, **fields: str) -> dict[str, str]:
-    """The fields the run page's form would post: its hidden ones, plus ``fields``.
+    """The fields the run page's form would post, plus ``fields``.
 
-    The page is read with the token in a header; its CSRF field is the client's session's.
+    The fingerprint is the awaited step's (``/api/runs/ID``, read with the token in a
+    header); the CSRF field is the client's session's, empty without one (the page then
+    offers no form).
     """
+    [waiting] = client.get(f"/api/runs/{run_id}", headers=READ).json()["awaiting"]
     html = client.get(f"/runs/{run_id}", headers=READ).text
-    form = {"run_id": run_id, "step_id": "m1.t1", "fp": hidden(html, "fp")}
-    return {**form, "csrf": hidden(html, "csrf"), **fields}
+    csrf = re.search(r'name="csrf" value="([^"]*)"', html)
+    form = {"run_id": run_id, "step_id": "m1.t1", "fp": waiting["fingerprint"]}
+    return {**form, "csrf": "" if csrf is None else csrf.group(1), **fields}
 
 
 def banner(html: str) -> str:
@@ -115,8 +119,9 @@ async def test_the_run_page_shows_timeline_effects_and_what_is_awaited(tmp_path:
     fp = await suspended(db, "invoice-42")
     await closed_with_effect(db, "fee-3")
     with page(db) as client:
-        waiting = client.get("/runs/invoice-42", headers=READ).text
-        closed = client.get("/runs/fee-3", headers=READ).text
+        login(client)
+        waiting = client.get("/runs/invoice-42").text
+        closed = client.get("/runs/fee-3").text
     steps = re.findall(r'data-step="([^"]+)" data-phase="([^"]+)"', waiting)
     assert steps == [("m1", "result"), ("m1.t1", "intent")]
     assert "Approve or deny" in waiting
@@ -136,13 +141,66 @@ async def test_an_effect_awaiting_approval_shows_its_prepared_payload(tmp_path: 
     approval = steps[-1]
     assert isinstance(approval, ApprovalStep)
     with page(db) as client:
-        html = client.get("/runs/fee-3", headers=READ).text
+        login(client)
+        html = client.get("/runs/fee-3").text
     card = re.search(r'<div class="card approval".*?</form>', html, re.S)
     assert card is not None
     assert "<dt>prepared</dt>" in card.group(0)
     assert "&#34;account&#34;: &#34;4300&#34;" in card.group(0)
     assert re.search(r"fee-3:m1\.t1:[0-9a-f]{6}", card.group(0))
     assert f'name="fp" value="{approval.fingerprint}"' in card.group(0)
+
+
+async def test_a_reader_not_logged_in_is_offered_no_decision(tmp_path: Path) -> None:
+    """Read without a session (the token in a header), a card shows the frozen arguments
+    and the fingerprint but no Approve / Deny / Resolve form: a line says to log in to
+    decide, and leads back to the run; logged in, the same card has its buttons."""
+    db = tmp_path / "runs.db"
+    fp = await suspended(db, "invoice-42")
+    await uncertain(db, "refund-17")
+    with page(db) as client:
+        listing = client.get("/", headers=READ).text
+        run = client.get("/runs/invoice-42", headers=READ).text
+        login(client)
+        signed = client.get("/runs/invoice-42").text
+    for html in (listing, run):
+        assert fp in html
+        assert '<form method="post">' not in html
+        for action in ("/approve", "/deny", "/resolve"):
+            assert f'formaction="{action}"' not in html
+    said = " ".join(run.split())
+    assert '<a href="/login?next=/runs/invoice-42">Log in</a> with the operator token to ' in said
+    assert "with the operator token to approve or deny." in said
+    assert "with the operator token to say whether it happened." in " ".join(listing.split())
+    assert 'formaction="/approve"' in signed
+    assert "login-to-decide" not in signed
+
+
+async def test_the_state_says_whether_a_process_drives_the_run(tmp_path: Path) -> None:
+    """A run stored as running that no process drives is shown `ready to resume` in the list,
+    on its page (with what to do next) and in /api/runs (`state`; `status` unchanged)."""
+    db = tmp_path / "runs.db"
+    await suspended(db, "invoice-42")
+    with page(db) as client:
+        login(client, "ana")
+        client.post("/approve", data=decision(client, "invoice-42", reason="checked"))
+        listing = client.get("/").text
+        run = client.get("/runs/invoice-42").text
+        api = client.get("/api/runs").json()
+        one = client.get("/api/runs/invoice-42").json()
+    assert re.findall(r'<a href="/runs/([^"]+)">.*?badge ([\w-]+)">([^<]+)<', listing, re.S) == [
+        ("invoice-42", "ready-to-resume", "ready to resume")
+    ]
+    assert "<th>state</th>" in listing
+    facts = re.search(r'<dd class="state">(.*?)</dd>', run, re.S)
+    assert facts is not None
+    assert " ".join(facts.group(1).split()) == (
+        "ready to resume (status running): no process drives it now (it was decided, stopped "
+        "or killed since its last pass). Next: run its agent again with the same run_id, "
+        "Session(&#39;invoice-42&#39;, gateway, store), to go on."
+    )
+    assert [(r["status"], r["state"]) for r in api] == [("running", "ready to resume")]
+    assert (one["status"], one["state"]) == ("running", "ready to resume")
 
 
 async def test_an_unknown_run_is_404(tmp_path: Path) -> None:
@@ -165,6 +223,10 @@ async def test_approving_records_the_approval_and_the_run_pays_once(tmp_path: Pa
         assert answer.status_code == 200
         assert answer.url.path == "/runs/invoice-42"
         assert banner(answer.text).startswith("Recorded: step m1.t1 approved by ana")
+        assert banner(answer.text).endswith(
+            "The run is ready to resume: run its agent again with the same run_id, "
+            "Session(&#39;invoice-42&#39;, gateway, store), to go on."
+        )
     [approval] = await people(db, "invoice-42")
     assert approval.decision == "approved"
     assert {k: approval.payload[k] for k in ("by", "reason", "fp")} == {

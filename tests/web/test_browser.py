@@ -17,7 +17,7 @@ import os
 import select
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +27,7 @@ import pytest
 
 from asiento import SqliteCheckpointer
 
-from .runs import PAYMENT, closed_with_effect, drive, suspended, uncertain
+from .runs import PAYMENT, book, closed_with_effect, drive, suspended, uncertain
 
 if TYPE_CHECKING:
     from playwright.async_api import BrowserContext, Page
@@ -69,12 +69,19 @@ async def open_server(tmp_path: Path) -> AsyncIterator[Server]:
         yield running
 
 
-@asynccontextmanager
-async def serving(tmp_path: Path, *args: str) -> AsyncIterator[Server]:
-    db = tmp_path / "runs.db"
+async def three_runs(db: Path) -> None:
+    """A suspended run, an uncertain one and a closed one with an effect."""
     await suspended(db, "invoice-42")
     await uncertain(db, "refund-17")
     await closed_with_effect(db, "fee-3")
+
+
+@asynccontextmanager
+async def serving(
+    tmp_path: Path, *args: str, runs: Callable[[Path], Awaitable[None]] = three_runs
+) -> AsyncIterator[Server]:
+    db = tmp_path / "runs.db"
+    await runs(db)
     env = {**os.environ, "ASIENTO_WEB_TOKEN": TOKEN, "COLUMNS": "200"}
     argv = [sys.executable, "-m", "asiento", "serve", "--store", "runs.db", "--port", "0", *args]
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
@@ -99,8 +106,9 @@ def _printed_url(proc: subprocess.Popen[str]) -> str:
 
 
 @asynccontextmanager
-async def browser(tmp_path: Path) -> AsyncIterator[BrowserContext]:
-    """Debian's Chromium, headless, with a new empty profile; fails if it is not installed."""
+async def browser(tmp_path: Path, width: int = 1100) -> AsyncIterator[BrowserContext]:
+    """Debian's Chromium, headless, with a new empty profile (a ``width`` pixels wide
+    window); fails if it is not installed."""
     try:
         from playwright.async_api import async_playwright
     except ImportError as exc:
@@ -119,7 +127,7 @@ async def browser(tmp_path: Path) -> AsyncIterator[BrowserContext]:
             executable_path=CHROMIUM,
             headless=True,
             args=CHROMIUM_ARGS,
-            viewport={"width": 1100, "height": 720},
+            viewport={"width": width, "height": 720},
         )
         context.set_default_timeout(TIMEOUT_MS)
         try:
@@ -216,22 +224,27 @@ async def test_without_the_token_the_browser_sees_only_the_login_form(
         assert await page.locator(".card.approval").count() == 1
 
 
-async def test_a_write_without_the_token_is_refused_in_the_browser(
+async def test_a_reader_not_logged_in_is_offered_no_decision_in_the_browser(
     open_server: Server, tmp_path: Path
 ) -> None:
-    """With --open-reading the page shows the run without the token, but clicking Approve
-    without logging in shows the refusal and records nothing."""
+    """With --open-reading the page shows the run without the token, with no Approve / Deny
+    buttons: a line says to log in to decide, and logging in there brings them back."""
     server = open_server
     async with browser(tmp_path) as context:
         page = await context.new_page()
         await page.goto(server.url + "runs/invoice-42")
-        async with page.expect_navigation() as navigation:
-            await page.click(".card.approval button.approve")
-        answer = await navigation.value
-        assert answer is not None
-        assert answer.status == 401
-        assert "needs the operator token" in await page.locator('[role="status"]').inner_text()
-        await shot(page, "refused-without-token")
+        card = page.locator(".card.approval")
+        assert '"amount": 120' in await card.locator("pre.args").inner_text()
+        assert await page.locator("button.approve, button.deny, button.happened").count() == 0
+        line = await card.locator(".login-to-decide").inner_text()
+        assert " ".join(line.split()) == "Log in with the operator token to approve or deny."
+        await shot(page, "reading-without-token")
+        await card.locator(".login-to-decide a").click()
+        await page.fill("#by", "ana")
+        await page.fill("#token", TOKEN)
+        await page.click("button:has-text('Log in')")
+        assert page.url.endswith("/runs/invoice-42")
+        assert await page.locator(".card.approval button.approve").count() == 1
     assert await approvals(server.db, "invoice-42") == []
 
 
@@ -255,3 +268,59 @@ async def test_a_person_resolves_an_uncertain_effect_in_the_browser(
         await shot(page, "run-closed-with-effect")
     resumed = await drive(server.db, "refund-17", approval=False)
     assert resumed.payments == []
+
+
+LONG_RUN = "invoice_2026_11_ACME_Limited_Liability_Company_consulting_services_rendered_0042"
+LONG_EFFECT = "booking_2026_11_ACME_Limited_Liability_Company_consulting_fee_ledger_4300_0042"
+
+
+async def long_names(db: Path) -> None:
+    """Runs whose ids (and so card titles and idem_keys) are longer than a card is wide."""
+    await suspended(db, LONG_RUN)
+    await book(db, LONG_EFFECT, approval=True)
+    await uncertain(db, "refund-17")
+
+
+async def overflowing(page: Page, selector: str) -> list[str]:
+    """The elements under each ``selector`` that reach past its right edge (or scroll)."""
+    found: list[str] = await page.evaluate(
+        """(selector) => {
+            const out = [];
+            for (const box of document.querySelectorAll(selector)) {
+                const edge = box.getBoundingClientRect().right + 1;
+                if (box.scrollWidth > box.clientWidth) out.push(selector + " scrolls");
+                for (const el of box.querySelectorAll("*")) {
+                    if (el.getBoundingClientRect().right > edge) {
+                        out.push(el.tagName + "." + el.className + ": " + el.textContent.trim());
+                    }
+                }
+            }
+            return out;
+        }""",
+        selector,
+    )
+    return found
+
+
+async def test_long_titles_and_fingerprints_fit_their_cards_at_800_pixels(tmp_path: Path) -> None:
+    """In an 800-pixel window, every card (a long run id in its title, the fingerprint, an
+    effect's idem_key) stays inside its border, and the page does not scroll sideways."""
+    async with (
+        serving(tmp_path, runs=long_names) as server,
+        browser(tmp_path, width=800) as context,
+    ):
+        page = await context.new_page()
+        await page.goto(server.url + "login")
+        await page.fill("#by", "ana")
+        await page.fill("#token", TOKEN)
+        await page.click("button:has-text('Log in')")
+        for path in ("", "runs/" + LONG_RUN, "runs/" + LONG_EFFECT):
+            await page.goto(server.url + path)
+            assert await page.locator(".card").count() >= 1
+            assert await overflowing(page, ".card") == [], path
+            assert await overflowing(page, "h1") == [], path
+            wide = await page.evaluate("document.documentElement.scrollWidth")
+            assert wide <= 800, f"{path or '/'} is {wide} pixels wide"
+            await shot(page, "narrow-" + (path.split("/")[-1][:12] or "runs"))
+        title = page.locator(".card h3")
+        assert LONG_EFFECT in " ".join((await title.inner_text()).split())

@@ -5,8 +5,8 @@ Every command on a journal takes ``--store PATH_OR_URL`` (an SQLite file,
 ``host=/tmp dbname=x``: whatever ``open_store`` takes; default ``./runs.db``) and goes
 through the public API: ``open_store``, the ``Checkpointer`` protocol,
 ``approve``, ``deny``, ``resolve``. None touches the database directly, and none
-creates a journal: a missing SQLite file is an error. Any asiento error is one
-line on stderr and exit status 1.
+creates a journal: a missing SQLite file is an error. Any error (an asiento error,
+or a usage error such as a missing ``--by``) is one line on stderr and exit status 1.
 """
 
 from __future__ import annotations
@@ -113,7 +113,39 @@ def load_target(target: str) -> object:
     return found
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _OneLineUsage(click.Group):
+    """The ``asiento`` group: a usage error (a missing ``--by``, an unknown option or
+    command) is one line and exit status 1, like every other error, not click's usage
+    block and status 2. ``asiento`` alone still prints its help."""
+
+    def make_context(
+        self,
+        info_name: str | None,
+        args: list[str],
+        parent: click.Context | None = None,
+        **extra: Any,
+    ) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise _one_line(exc) from None
+
+
+def _one_line(exc: click.UsageError) -> click.ClickException:
+    if isinstance(exc, click.exceptions.NoArgsIsHelpError):
+        return exc  # the help it prints is what a bare `asiento` asks for
+    ctx = exc.ctx
+    hint = f" Try '{ctx.command_path} {ctx.help_option_names[0]}' for help." if ctx else ""
+    return CommandError(exc.format_message() + hint)
+
+
+@click.group(cls=_OneLineUsage, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="asiento")
 def main() -> None:
     """Resume LLM agents after a crash without repeating model calls or effects.
@@ -167,18 +199,24 @@ def demo_pass(store: Path, counts: Path, number: int) -> None:
     "statuses",
     multiple=True,
     type=click.Choice([s.value for s in RunStatus]),
-    help="Only runs in this status; repeat for several.",
+    help=(
+        "Only runs in this stored status (running: running, ready to resume and waiting "
+        "for a worker); repeat for several."
+    ),
 )
 @json_option
 def runs(store: str, statuses: tuple[str, ...], as_json: bool) -> None:
-    """List the runs, oldest first, with their steps, lease and what they cost.
+    """List the runs, oldest first, with their state, steps, lease and what they cost.
 
-    Per run: status, steps (model steps plus the tool calls the model asked for;
-    a retry is not a new step), last activity, the lease holder (while a session
-    drives it), model calls, tokens and cost paid, and "replayed" / "saved": the
-    model calls (and their tokens and cost) that resumed passes took from the
-    journal instead of paying for them again. --json also gives the journal
-    records ("events").
+    Per run: its state (its stored status read with its lease: "running" only while
+    a session holds the lease; a run that may go on and that no process drives is
+    "ready to resume" or, submitted, "waiting for a worker"; else suspended,
+    uncertain, parked or closed), steps (model steps plus the tool calls the model
+    asked for; a retry is not a new step), last activity, the lease holder (while a
+    session drives it), model calls, tokens and cost paid, and "replayed" / "saved":
+    the model calls (and their tokens and cost) that resumed passes took from the
+    journal instead of paying for them again. --json gives "status" (stored),
+    "state", "next" (what to do next) and the journal records ("events").
     """
 
     async def job(journal: Checkpointer) -> list[RunInfo]:
@@ -197,11 +235,12 @@ def runs(store: str, statuses: tuple[str, ...], as_json: bool) -> None:
 @store_option
 @json_option
 def show(run_id: str, store: str, as_json: bool) -> None:
-    """Show a run's timeline, its effects and what it awaits.
+    """Show a run's state, its timeline, its effects and what it awaits.
 
     The timeline is step by step and phase by phase, with decisions; effect
     records show idem_key, status, remote_id and attempts; the steps waiting
-    for a person come last, with the command that decides each.
+    for a person come last, with the command that decides each, or, when none
+    waits, what the run's state means and what to do next.
     """
 
     async def job(journal: Checkpointer) -> tuple[RunInfo, list[StepEvent]]:
@@ -232,6 +271,12 @@ def _hint_store(store: str) -> str:
 # -- deciding ------------------------------------------------------------------------------
 
 
+def _what_next(info: RunInfo, store: str) -> str:
+    """What the run is now and what to do next, after a person's decision."""
+    state = views.run_state(info, store_hint=_hint_store(store))
+    return f"The run is {state.name}: {state.next}."
+
+
 @main.command()
 @click.argument("run_id", metavar="RUN")
 @click.argument("step_id", metavar="STEP")
@@ -252,16 +297,16 @@ def approve(
     already.
     """
 
-    async def job(journal: Checkpointer) -> views.Waiting:
+    async def job(journal: Checkpointer) -> tuple[views.Waiting, RunInfo]:
         waiting = await pending_approval(journal, run_id, step_id)
         fp = fingerprint if fingerprint is not None else waiting.fingerprint
         await approve_step(journal, run_id, step_id, by=by, reason=reason, fingerprint=fp)
-        return waiting
+        return waiting, await views.find_run(journal, run_id)
 
-    waiting = with_store(store, job)
+    waiting, info = with_store(store, job)
     click.echo(f"approved run {run_id!r} step {step_id!r} (by {by}); these exact arguments:")
     click.echo(views.call_lines(waiting))
-    click.echo("Resume the run to go on (a worker picks up a submitted run by itself).")
+    click.echo(_what_next(info, store))
 
 
 @main.command()
@@ -276,16 +321,17 @@ def deny(run_id: str, step_id: str, by: str, reason: str, store: str) -> None:
     Refused when the step is not awaiting a decision or was decided already.
     """
 
-    async def job(journal: Checkpointer) -> views.Waiting:
+    async def job(journal: Checkpointer) -> tuple[views.Waiting, RunInfo]:
         waiting = await pending_approval(journal, run_id, step_id)
         fp = waiting.fingerprint
         await deny_step(journal, run_id, step_id, by=by, reason=reason, fingerprint=fp)
-        return waiting
+        return waiting, await views.find_run(journal, run_id)
 
-    waiting = with_store(store, job)
+    waiting, info = with_store(store, job)
     click.echo(f"denied run {run_id!r} step {step_id!r} (by {by}: {reason}); it asked for:")
     click.echo(views.call_lines(waiting))
-    click.echo("Resume the run to go on: the model is told about the denial.")
+    click.echo("The model is told about the denial when the run goes on.")
+    click.echo(_what_next(info, store))
 
 
 @main.command()
@@ -319,17 +365,18 @@ def resolve(
     if remote_id is not None and not happened:
         raise CommandError("--remote-id names an effect that happened; drop it or say --happened")
 
-    async def job(journal: Checkpointer) -> views.Waiting:
+    async def job(journal: Checkpointer) -> tuple[views.Waiting, RunInfo]:
         waiting = await pending_resolution(journal, run_id, step_id)
         await resolve_step(
             journal, run_id, step_id, happened=happened, by=by, remote_id=remote_id, reason=reason
         )
-        return waiting
+        return waiting, await views.find_run(journal, run_id)
 
-    waiting = with_store(store, job)
+    waiting, info = with_store(store, job)
     found = "happened" if happened else "did not happen (the next pass runs it once more)"
     click.echo(f"recorded: run {run_id!r} step {step_id!r} {found} (by {by}); the effect:")
     click.echo(views.call_lines(waiting))
+    click.echo(_what_next(info, store))
 
 
 @main.command()
@@ -368,11 +415,12 @@ def abandon(run_id: str, by: str, reason: str, store: str) -> None:
 def unpark(run_id: str, by: str, reason: str, store: str) -> None:
     """Give a parked run back to the workers, with a fresh count of claims."""
 
-    async def job(journal: Checkpointer) -> None:
+    async def job(journal: Checkpointer) -> RunInfo:
         await unpark_run(journal, run_id, by=by, reason=reason)
+        return await views.find_run(journal, run_id)
 
-    with_store(store, job)
-    click.echo(f"run {run_id!r} is running again; the next worker to look will claim it")
+    info = with_store(store, job)
+    click.echo(f"run {run_id!r} is unparked. {_what_next(info, store)}")
 
 
 # -- servers -------------------------------------------------------------------------------

@@ -11,14 +11,16 @@ from rich.table import Table
 from rich.text import Text
 
 from ..effects.records import EffectRecord, effect_records_of
-from ..events import RunInfo, RunStatus, StepEvent
+from ..events import RunInfo, StepEvent
 from ..views import (
+    RunState,
     Waiting,
     clip,
     inline_json,
     lease_text,
     money,
     recent,
+    run_state,
     summary,
     timeline,
     tokens,
@@ -26,8 +28,10 @@ from ..views import (
     when,
 )
 
-STATUS_STYLE = {
+STATE_STYLE = {
     "running": "cyan",
+    "waiting for a worker": "blue",
+    "ready to resume": "yellow",
     "suspended": "yellow",
     "uncertain": "bold red",
     "closed": "green",
@@ -35,14 +39,13 @@ STATUS_STYLE = {
 }
 
 
-def status_text(status: RunStatus | str) -> Text:
-    value = RunStatus(status).value
-    return Text(value, style=STATUS_STYLE.get(value, ""))
+def state_text(state: RunState) -> Text:
+    return Text(state.name, style=STATE_STYLE.get(state.name, ""))
 
 
 RUN_COLUMNS: tuple[tuple[str, Callable[[RunInfo], RenderableType], bool], ...] = (
     # heading, cell, shown only when some run was priced
-    ("status", lambda i: status_text(i.status), False),
+    ("state", lambda i: state_text(run_state(i)), False),
     ("steps", lambda i: str(i.steps), False),
     ("last activity", lambda i: recent(i.updated_at), False),
     ("lease", lease_text, False),
@@ -72,7 +75,7 @@ def runs_table(infos: Sequence[RunInfo], *, title: str, width: int | None = None
 
 
 # The columns ``runs_table`` keeps however narrow the terminal.
-_KEPT = frozenset({"status", "steps", "last activity", "lease", "calls"})
+_KEPT = frozenset({"state", "steps", "last activity", "lease", "calls"})
 
 
 def _runs_table(
@@ -81,16 +84,16 @@ def _runs_table(
     table = Table(title=title)
     longest = max((len(info.run_id) for info in infos), default=3)
     table.add_column("run", overflow="fold", min_width=min(longest, 16))
-    for heading, _ in columns:  # a long lease holder folds; statuses, times, figures stay whole
-        whole = heading != "lease"
+    for heading, _ in columns:  # a lease holder or a state wraps; times and figures stay whole
+        whole = heading not in ("lease", "state")
         table.add_column(heading.replace(" ", "\n", 1), no_wrap=whole, min_width=_MIN.get(heading))
     for info in infos:
         table.add_row(info.run_id, *(cell(info) for _, cell in columns))
     return table
 
 
-# Widths below which a column's cells would be cut: the longest status, a time.
-_MIN = {"status": len("suspended"), "last activity": len("00:00:00"), "lease": 8}
+# Widths below which a column's cells would be cut: the longest word of a state, a time.
+_MIN = {"state": len("suspended"), "last activity": len("00:00:00"), "lease": 8}
 
 
 def _width(table: Table) -> int:
@@ -101,18 +104,24 @@ def _width(table: Table) -> int:
 
 def run_view(info: RunInfo, events: Sequence[StepEvent], *, hint: str) -> list[RenderableType]:
     """``asiento show``: the header, the timeline, the effects and what the run awaits."""
-    parts: list[RenderableType] = [_header(info)]
+    state = run_state(info, store_hint=hint)
+    parts: list[RenderableType] = [_header(info, state)]
     parts.append(_timeline(info, events))
     effects = effect_records_of(events)
     if effects:
         parts.append(_effects(effects))
-    parts.extend(_awaited(waiting_of(events, info.status), hint))
+    waiting = waiting_of(events, info.status)
+    parts.extend(_awaited(waiting, hint))
+    if not any(w.needs_person for w in waiting):
+        parts.append(Text(f"{state.name}: {state.meaning}\nnext: {state.next}"))
     return parts
 
 
-def _header(info: RunInfo) -> Text:
+def _header(info: RunInfo, state: RunState) -> Text:
     text = Text(f"run {info.run_id!r} · ")
-    text.append_text(status_text(info.status))
+    text.append_text(state_text(state))
+    if state.name != info.status.value:
+        text.append(f" (status {info.status.value})")
     text.append(f" · {info.steps} steps · {info.events} records")
     text.append(f" · last activity {when(info.updated_at)}\n")
     text.append(f"lease: {lease_text(info) or 'free'} (fence {info.fence})\n")

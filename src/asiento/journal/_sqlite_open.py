@@ -26,7 +26,10 @@ _APPLICATION_ID_AT = 68
 def connect(path: Path, timeout: float, *, read_only: bool) -> sqlite3.Connection:
     """A connection to the journal at ``path``; refused first if it could not be written."""
     if path.is_dir():
-        raise UsageError(f"{path} is a directory, not a journal file")
+        raise UsageError(
+            f"{path} is a directory, not a journal file; name the journal's file "
+            f"(such as {path / 'runs.db'})"
+        )
     if read_only:
         return _connect_read_only(path, timeout)
     if why := unwritable(path):

@@ -27,11 +27,18 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any, Self, TypeVar
 
-import psycopg
-from psycopg import AsyncConnection
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from psycopg.rows import TupleRow
-from psycopg_pool import AsyncConnectionPool
+try:  # the postgres extra; without it, say which one to install
+    import psycopg
+    from psycopg import AsyncConnection
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+    from psycopg.rows import TupleRow
+    from psycopg_pool import AsyncConnectionPool
+except ImportError as exc:  # not installed (ModuleNotFoundError), or no libpq found
+    _missing = ModuleNotFoundError if isinstance(exc, ModuleNotFoundError) else ImportError
+    raise _missing(
+        f"PostgreSQL journals need psycopg: pip install 'asiento[postgres]' ({exc})",
+        name=exc.name,
+    ) from exc
 
 from .. import step_ids
 from .._crash import crash_point

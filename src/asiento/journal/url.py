@@ -112,9 +112,13 @@ async def open_existing(url: str | os.PathLike[str]) -> Checkpointer:
 
 
 def _check_journal_file(path: Path) -> None:
+    if path.is_dir():
+        raise UsageError(
+            f"{path} is a directory, not a journal; pass --store PATH_OR_URL naming the "
+            f"journal's file (such as {path / 'runs.db'})"
+        )
     if not path.is_file():
-        what = "is a directory, not a journal" if path.is_dir() else "(nothing was created)"
-        raise UsageError(f"no journal at {path} {what}; pass --store PATH_OR_URL")
+        raise UsageError(f"no journal at {path} (nothing was created); pass --store PATH_OR_URL")
     if path.stat().st_size == 0 and not _has_wal(path):
         raise UsageError(
             f"{path} is an empty file, not a journal (it was left as it is); "
@@ -173,10 +177,8 @@ def _sqlite(url: str, rest: str) -> StoreAddress:
 async def _postgres(dsn: str) -> Checkpointer:
     try:
         from .postgres import PostgresCheckpointer
-    except ImportError as exc:
-        raise UsageError(
-            f"PostgreSQL journals need psycopg: pip install 'asiento[postgres]' ({exc})"
-        ) from exc
+    except ImportError as exc:  # its message names the extra to install
+        raise UsageError(str(exc)) from exc
     return await PostgresCheckpointer.connect(dsn)
 
 

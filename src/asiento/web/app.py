@@ -18,6 +18,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import shlex
 import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -102,8 +103,13 @@ class Pages:
                 "pretty": _pretty,
                 "runurl": run_url,
                 "money": fmt.money,
+                "state": self.state,
             }
         )
+
+    def state(self, info: RunInfo) -> fmt.RunState:
+        """What the run's status means now; its commands name this page's journal."""
+        return fmt.run_state(info, store_hint=f" --store {shlex.quote(shown(self.store_url))}")
 
     @property
     def store(self) -> Checkpointer:
@@ -205,7 +211,7 @@ class Pages:
         except UsageError as exc:
             return self.problem(request, 404, str(exc))
         done = request.query_params.get("done", "")
-        return await self.show_run(request, info, done=await self._done(run_id, done))
+        return await self.show_run(request, info, done=await self._done(info, done))
 
     async def show_run(
         self, request: Request, info: RunInfo, *, status: int = 200, error: str = "", done: str = ""
@@ -224,13 +230,16 @@ class Pages:
             message_kind="error" if error else "ok",
         )
 
-    async def _done(self, run_id: str, step_id: str) -> str:
-        """The banner after a decision, read back from the journal (not from the URL)."""
+    async def _done(self, info: RunInfo, step_id: str) -> str:
+        """The banner after a decision, read back from the journal (not from the URL), and
+        what to do next, as the ``asiento`` command says it."""
         if not step_id:
             return ""
-        for event in reversed(await self.store.load(run_id)):
+        for event in reversed(await self.store.load(info.run_id)):
             if step_ids.base(event.step_id) == step_id and event.phase in _PERSON:
-                return f"Recorded: step {step_id} {fmt.summary(event)}."
+                state = self.state(info)
+                recorded = f"Recorded: step {step_id} {fmt.summary(event)}."
+                return f"{recorded} The run is {state.name}: {state.next}."
         return ""
 
     # -- logging in --------------------------------------------------------------------

@@ -8,7 +8,8 @@ import jinja2
 
 STYLE = """
 :root { --fg:#1d2125; --muted:#5f6b76; --line:#d9dee3; --bg:#f6f7f9; --card:#fff;
-  --ok:#1a7f37; --warn:#9a6700; --bad:#cf222e; --run:#0969da; --park:#8250df; }
+  --ok:#1a7f37; --warn:#9a6700; --bad:#cf222e; --run:#0969da; --park:#8250df;
+  --ready:#bc4c00; --queued:#57606a; }
 * { box-sizing: border-box; }
 body { margin:0; font:14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif;
   color:var(--fg); background:var(--bg); }
@@ -22,7 +23,7 @@ header form { margin:0; }
 header button { background:none; border:1px solid #8b949e; color:#fff; border-radius:4px;
   padding:.15rem .5rem; cursor:pointer; }
 main { padding:1rem 1.4rem 3rem; max-width:1200px; }
-h1 { font-size:1.35rem; margin:.4rem 0 .8rem; }
+h1 { font-size:1.35rem; margin:.4rem 0 .8rem; overflow-wrap:anywhere; }
 h2 { font-size:1.05rem; margin:1.4rem 0 .5rem; }
 a { color:var(--run); }
 table { border-collapse:collapse; width:100%; background:var(--card);
@@ -30,31 +31,36 @@ table { border-collapse:collapse; width:100%; background:var(--card);
 th, td { text-align:left; padding:.35rem .55rem; border-bottom:1px solid var(--line);
   vertical-align:top; overflow-wrap:anywhere; }
 td.at { white-space:nowrap; }
+table.timeline th, table.effects th, table.timeline td:nth-child(-n+3),
+table.effects td:first-child { overflow-wrap:normal; }
 th { background:#eef1f4; font-weight:600; font-size:.85rem; }
 td.num { text-align:right; font-variant-numeric:tabular-nums; }
 tr.first td { border-top:2px solid var(--line); }
 code, pre, .mono { font-family:ui-monospace, SFMono-Regular, Menlo, monospace; font-size:.85rem; }
 pre { margin:0; white-space:pre-wrap; word-break:break-all; }
 .badge { display:inline-block; padding:.05rem .5rem; border-radius:1rem; font-size:.8rem;
+  overflow-wrap:normal; text-align:center;
   font-weight:600; color:#fff; }
 .running { background:var(--run); } .suspended { background:var(--warn); }
 .uncertain { background:var(--bad); } .closed { background:var(--ok); }
-.parked { background:var(--park); }
+.parked { background:var(--park); } .ready-to-resume { background:var(--ready); }
+.waiting-for-a-worker { background:var(--queued); }
 .filters a { margin-right:.7rem; }
 .filters a.on { font-weight:700; color:var(--fg); text-decoration:none; }
 .banner { padding:.6rem .9rem; border-radius:6px; margin:.6rem 0 1rem; border:1px solid; }
 .banner.ok { background:#dafbe1; border-color:#4ac26b; }
 .banner.error { background:#ffebe9; border-color:#ff8182; }
 .banner.info { background:#ddf4ff; border-color:#54aeff; }
-.cards { display:grid; grid-template-columns:repeat(auto-fill, minmax(360px, 1fr)); gap:.8rem;
-  align-items:start; }
+.cards { display:grid; grid-template-columns:repeat(auto-fill, minmax(min(360px, 100%), 1fr));
+  gap:.8rem; align-items:start; }
 .card { background:var(--card); border:1px solid var(--line); border-left:4px solid var(--warn);
-  border-radius:6px; padding:.7rem .9rem; }
+  border-radius:6px; padding:.7rem .9rem; min-width:0; }
 .card.resolution { border-left-color:var(--bad); }
-.card h3 { margin:0 0 .4rem; font-size:.95rem; }
-.card dl { display:grid; grid-template-columns:max-content 1fr; gap:.2rem .7rem; margin:.3rem 0; }
+.card h3 { margin:0 0 .4rem; font-size:.95rem; overflow-wrap:anywhere; }
+.card dl { display:grid; grid-template-columns:max-content minmax(0, 1fr); gap:.2rem .7rem;
+  margin:.3rem 0; }
 .card dt { color:var(--muted); }
-.card dd { margin:0; }
+.card dd { margin:0; min-width:0; overflow-wrap:anywhere; }
 .card input[type=text] { width:100%; padding:.3rem; margin:.2rem 0 .4rem;
   border:1px solid var(--line); border-radius:4px; }
 .actions { display:flex; gap:.5rem; }
@@ -115,6 +121,7 @@ CARD = """{% macro card(w, csrf, operator) %}
     <dt>submitted</dt><dd>{{ w.since|when }}</dd>{% endif %}
     <dt>fingerprint</dt><dd class="mono">{{ w.fingerprint }}</dd>
   </dl>
+  {% if operator %}
   <form method="post">
     <input type="hidden" name="run_id" value="{{ w.run_id }}">
     <input type="hidden" name="step_id" value="{{ w.step_id }}">
@@ -139,7 +146,11 @@ CARD = """{% macro card(w, csrf, operator) %}
     </div>
     {% endif %}
   </form>
-  {% if not operator %}<p class="muted">Log in with the operator token to decide.</p>{% endif %}
+  {% else %}
+  <p class="muted login-to-decide"><a href="/login?next={{ (w.run_id|runurl)|urlencode }}">Log
+    in</a> with the operator token to {% if w.kind == 'approval' %}approve or deny{% else %}say
+    whether it happened{% endif %}.</p>
+  {% endif %}
 </div>
 {% endmacro %}"""
 
@@ -158,13 +169,13 @@ RUNS = """{% extends "base.html" %}{% from "card.html" import card %}
 {% else %}<p class="muted">Nothing waits for a person.</p>{% endif %}
 <h2>{{ status or "All" }} runs</h2>
 <table class="runs">
-<thead><tr><th>run</th><th>status</th><th>steps</th><th>last activity</th><th>lease</th>
+<thead><tr><th>run</th><th>state</th><th>steps</th><th>last activity</th><th>lease</th>
 <th>calls</th><th>tokens in/out</th><th>cost</th><th>replayed</th><th>saved in/out</th>
 <th>saved cost</th></tr></thead>
 <tbody>
-{% for r in runs %}<tr>
+{% for r in runs %}{% set st = r|state %}<tr>
   <td><a href="{{ r.run_id|runurl }}">{{ r.run_id }}</a></td>
-  <td><span class="badge {{ r.status.value }}">{{ r.status.value }}</span></td>
+  <td><span class="badge {{ st.css }}">{{ st.name }}</span></td>
   <td class="num">{{ r.steps }}</td><td class="at">{{ r.updated_at|when }}</td>
   <td class="mono">{{ r|lease }}</td>
   <td class="num">{{ r.model_calls }}</td>
@@ -179,10 +190,14 @@ RUNS = """{% extends "base.html" %}{% from "card.html" import card %}
 
 RUN = """{% extends "base.html" %}{% from "card.html" import card %}
 {% block title %}{{ run.run_id }}{% endblock %}
-{% block main %}
+{% block main %}{% set st = run|state %}
+{% set people = waiting|selectattr("needs_person")|list %}
 <h1>Run <code>{{ run.run_id }}</code>
-  <span class="badge {{ run.status.value }}">{{ run.status.value }}</span></h1>
+  <span class="badge {{ st.css }}">{{ st.name }}</span></h1>
 <dl class="facts">
+  <dt>state</dt><dd class="state">{{ st.name }}{% if st.name != run.status.value %} (status
+    {{ run.status.value }}){% endif %}: {{ st.meaning }}.{% if not people %}
+    Next: {{ st.next }}.{% endif %}</dd>
   <dt>steps</dt><dd>{{ run.steps }} ({{ run.model_calls }} model, {{ run.tool_steps }} tool)</dd>
   <dt>records</dt><dd>{{ run.events }}</dd>
   <dt>started</dt><dd>{{ run.created_at|when }}</dd>
@@ -197,7 +212,6 @@ RUN = """{% extends "base.html" %}{% from "card.html" import card %}
     claimed {{ run.attempts }}×)</dd>{% endif %}
   {% if run.reason %}<dt>note</dt><dd>{{ run.reason }}</dd>{% endif %}
 </dl>
-{% set people = waiting|selectattr("needs_person")|list %}
 {% if people %}<h2>Waiting for a person</h2>
 <div class="cards">{% for w in people %}{{ card(w, csrf, operator) }}{% endfor %}</div>{% endif %}
 {% for w in waiting if not w.needs_person %}
