@@ -103,19 +103,14 @@ def decision_race(
 ) -> Report:
     """``trials`` races of each kind of decision against a resuming pass (``orders``:
     only those; ``person_faults``: the deciding process may be killed)."""
-    started = time.monotonic()
-    report = Report("decision races", harness.backend, seed=seed)
     rng = random.Random(seed)
-    with harness.servers(2) as servers:
-        plan = harness.dry_run(servers[0], report)
+    with harness.race("decision races", seed) as (servers, plan, report):
         seconds = max(plan.seconds.values(), default=0.05)
         for kind in kinds:
             for _ in range(trials):
                 allowed = tuple(o for o in ORDERS[kind] if orders is None or o in orders)
                 trial = choose_trial(rng, kind, seconds, allowed, person_faults)
                 decision_trial(harness, servers, plan, trial, report)
-    harness.check_store(report)
-    report.seconds = time.monotonic() - started
     return report
 
 
@@ -240,19 +235,14 @@ def abandon_race(
     harness: CrashHarness, trials: int, seed: int, person_faults: bool = True
 ) -> Report:
     """``trials`` runs abandoned while a stopped pass holds them, then let go on."""
-    started = time.monotonic()
-    report = Report("abandon while driven", harness.backend, seed=seed)
     rng = random.Random(seed)
-    with harness.servers(2) as servers:
-        plan = harness.dry_run(servers[0], report)
+    with harness.race("abandon while driven", seed) as (servers, plan, report):
         seconds = max(plan.seconds.values(), default=0.05)
         for _ in range(trials):
             abandon_trial(
                 harness, servers, plan, rng=rng, seconds=seconds, report=report,
                 person_faults=person_faults,
             )  # fmt: skip
-    harness.check_store(report)
-    report.seconds = time.monotonic() - started
     return report
 
 

@@ -42,16 +42,11 @@ WAIT = 20.0  # the longest the parent waits for a child to stop or to exit
 
 
 def lease_race(harness: CrashHarness, trials: int, seed: int) -> Report:
-    started = time.monotonic()
-    report = Report("lease races", harness.backend, seed=seed)
     rng = random.Random(seed)
-    with harness.servers(2) as servers:
-        plan = harness.dry_run(servers[0], report)
+    with harness.race("lease races", seed) as (servers, plan, report):
         for _ in range(trials):
             k = rng.randint(1, max(1, plan.model_calls))
             race_trial(harness, servers, plan, f"race:{k}", report)
-    harness.check_store(report)
-    report.seconds = time.monotonic() - started
     return report
 
 

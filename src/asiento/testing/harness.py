@@ -162,6 +162,17 @@ class CrashHarness:
         ).to_json()
 
     @contextlib.contextmanager
+    def race(self, name: str, seed: int) -> Iterator[tuple[list[ForkServer], Plan, Report]]:
+        """A race campaign: two fork-servers, a dry run, and the report, checked and
+        timed at the end (the store-wide checks included)."""
+        started = time.monotonic()
+        report = Report(name, self.backend, seed=seed)
+        with self.servers(2) as servers:
+            yield servers, self.dry_run(servers[0], report), report
+        self.check_store(report)
+        report.seconds = time.monotonic() - started
+
+    @contextlib.contextmanager
     def servers(self, count: int) -> Iterator[list[ForkServer]]:
         """``count`` fork-servers, one per worker, closed at the end."""
         started: list[ForkServer] = []
