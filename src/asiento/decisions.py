@@ -17,6 +17,7 @@ from ._crash import crash_point
 from .errors import (
     ApprovalRefused,
     AsientoError,
+    DecisionOnClosedRun,
     DuplicateRecord,
     LeaseLost,
     RunClosed,
@@ -35,6 +36,8 @@ from .views import Waiting, decided_by, find_run, waiting
 DECISION_TTL = 10.0
 
 log = logging.getLogger("asiento")
+
+_APPROVED_OR_DENIED = "approved or denied"
 
 
 async def approve(
@@ -106,7 +109,7 @@ async def _decide(
             f"{where} was decided by someone else first; nothing recorded"
         ) from None
     except RunClosed:
-        raise closed_error(run_id, "approved or denied") from None
+        raise closed_error(run_id, _APPROVED_OR_DENIED) from None
     return event
 
 
@@ -164,10 +167,12 @@ async def pending_approval(store: Checkpointer, run_id: str, step_id: str) -> Wa
     ``ApprovalRefused`` when it does not await a decision (or was decided),
     ``RunClosed`` when the run is closed, ``UsageError`` for an unknown run or step.
     """
-    journal = await _journal_of(store, run_id, step_id, refused=ApprovalRefused)
-    state = step_state(journal, step_ids.base(step_id))
+    journal = await _journal_of(store, run_id, step_id, refused=ApprovalRefused, exact=True)
+    state = step_state(journal, step_id)
     where = f"run {run_id!r} step {state.step_id!r}"
-    _refuse_closed(journal, run_id, "approved or denied")
+    _refuse_closed(journal, run_id, _APPROVED_OR_DENIED)
+    if step_ids.is_retry(step_id):  # a decision names the step, never one of its attempts
+        raise ApprovalRefused(f"{where} is not awaiting approval")
     decided = state.records.get(Phase.APPROVAL)
     if decided is not None:
         raise ApprovalRefused(f"{where} was already {decided_by(decided)}; nothing was recorded")
@@ -189,16 +194,22 @@ async def pending_resolution(store: Checkpointer, run_id: str, step_id: str) -> 
 
 
 async def _journal_of(
-    store: Checkpointer, run_id: str, step_id: str, *, refused: type[UsageError] = UsageError
+    store: Checkpointer,
+    run_id: str,
+    step_id: str,
+    *,
+    refused: type[UsageError] = UsageError,
+    exact: bool = False,
 ) -> Indexed:
-    """The run's journal, which must hold ``step_id``: else ``refused`` saying so."""
+    """The run's journal, which must hold ``step_id`` (``exact``: that very id, else its
+    step): else ``refused`` saying so."""
     check_id("run_id", run_id)
     check_id("step_id", step_id)
     events = await store.load(run_id)
-    if not events:
-        await find_run(store, run_id)  # an unknown run says so
+    if not events and await store.run(run_id) is None:
+        raise refused(f"unknown run {run_id!r} in this journal; `asiento runs` lists them")
     journal = index(events)
-    if step_ids.base(step_id) not in journal:
+    if (step_id if exact else step_ids.base(step_id)) not in journal:
         raise refused(f"run {run_id!r} has no step {step_id!r}; `asiento show` lists its steps")
     return journal
 
@@ -282,7 +293,10 @@ def _driven(run_id: str, exc: RunLocked) -> UsageError:
 
 
 def closed_error(run_id: str, done: str) -> RunClosed:
-    return RunClosed(
+    """The refusal of a person's write on a closed run (a ``DecisionOnClosedRun`` when it
+    was an approval or a denial)."""
+    kind = DecisionOnClosedRun if done == _APPROVED_OR_DENIED else RunClosed
+    return kind(
         f"run {run_id!r} is closed: a closed run cannot be {done}, and nothing was recorded. "
         "`asiento show` tells how it ended"
     )

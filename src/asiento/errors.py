@@ -3,8 +3,10 @@
     AsientoError
     ├── UsageError              the caller misused the API (bad argument, unknown run or step)
     │   ├── RunClosed           the run is closed: it takes no decision and no new record
-    │   └── ApprovalRefused     a decision that does not apply (not awaited, decided, other
-    │                           arguments shown); also an ApprovalError
+    │   ├── ApprovalRefused     a decision that does not apply (not awaited, decided, other
+    │   │                       arguments shown); also an ApprovalError
+    │   └── DecisionOnClosedRun an approval or denial on a closed run (a RunClosed and an
+    │                           ApprovalRefused)
     ├── JournalError            the journal cannot be trusted or written as asked
     │   ├── DuplicateRecord     (run_id, step_id, phase) is already recorded: a rival writer won
     │   ├── NotAJournal         the file is not an asiento journal (or not SQLite at all)
@@ -210,6 +212,10 @@ class ApprovalRefused(ApprovalError, UsageError):
     The step is not awaiting a decision, was decided already, or the arguments the
     person was shown are not the ones the step froze.
     """
+
+
+class DecisionOnClosedRun(RunClosed, ApprovalRefused):
+    """An approval or denial of a step of a closed run: refused, and nothing recorded."""
 
 
 class ApprovalMismatch(ApprovalError, JournalError):

@@ -658,7 +658,7 @@ async def test_odd_step_id_never_matches_another_step(tmp_path: Path, step_id: s
     [*_, waiting] = await odd_pass(lambda: store, RUN, [])
     assert isinstance(waiting, ApprovalStep)
     before = await store.load(RUN)
-    with pytest.raises(ApprovalError, match="not awaiting approval"):
+    with pytest.raises(ApprovalError, match=r"not awaiting approval|has no step"):
         await approve(store, RUN, step_id, by="ana")
     assert await store.load(RUN) == before
     await store.close()
