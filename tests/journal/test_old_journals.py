@@ -63,7 +63,7 @@ async def old(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[C
 def raw_rows(path: Path, run_id: str) -> list[tuple[str, str, str | None, bytes]]:
     """A run's records as the file holds them, but their time: step, phase, decision and
     the payload's bytes."""
-    with closing(sqlite3.connect(path)) as db:
+    with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:  # never creates it
         found = db.execute(
             "SELECT step_id, phase, decision, CAST(payload AS BLOB) FROM journal"
             " WHERE run_id = ? ORDER BY rowid",
