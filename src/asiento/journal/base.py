@@ -106,6 +106,17 @@ class Queue(Protocol):
         """
         ...
 
+    async def claim_many(
+        self, holder: Holder, *, limit: int, ttl: float, max_attempts: int = 5
+    ) -> list[Claim]:
+        """Take up to ``limit`` runs that need work, oldest first, as ``claim`` takes one."""
+        ...
+
+    async def wait_for_work(self, timeout: float) -> None:
+        """Return when a run may have become claimable (a submit, a decision, a
+        released lease), or after ``timeout`` seconds at the latest."""
+        ...
+
 
 @runtime_checkable
 class RunIndex(Protocol):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
@@ -203,6 +204,20 @@ class MemoryCheckpointer:
             agent = info.agent or "default"
             return Claim(lease=lease, task=info.task, agent=agent, attempts=info.attempts + 1)
         return None
+
+    async def claim_many(
+        self, holder: Holder, *, limit: int, ttl: float, max_attempts: int = 5
+    ) -> list[Claim]:
+        claims: list[Claim] = []
+        while len(claims) < limit:
+            claim = await self.claim(holder, ttl=ttl, max_attempts=max_attempts)
+            if claim is None:
+                break
+            claims.append(claim)
+        return claims
+
+    async def wait_for_work(self, timeout: float) -> None:
+        await asyncio.sleep(timeout)
 
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
         return [r for r in self._runs.values() if status is None or r.status == status]

@@ -364,6 +364,20 @@ class PostgresCheckpointer:
             partial(take, unsure=False), after_unknown=partial(take, unsure=True)
         )
 
+    async def claim_many(
+        self, holder: Holder, *, limit: int, ttl: float, max_attempts: int = 5
+    ) -> list[Claim]:
+        claims: list[Claim] = []
+        while len(claims) < limit:
+            claim = await self.claim(holder, ttl=ttl, max_attempts=max_attempts)
+            if claim is None:
+                break
+            claims.append(claim)
+        return claims
+
+    async def wait_for_work(self, timeout: float) -> None:
+        await asyncio.sleep(timeout)
+
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
         if status is None:
             rows = await self._fetch(sql.SELECT_RUNS + sql.ORDER_RUNS, ())

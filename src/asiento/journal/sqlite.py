@@ -6,6 +6,7 @@ racing for the same record; there is no read-then-write check anywhere.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import shlex
@@ -418,6 +419,20 @@ class SqliteCheckpointer:
                 lease = Lease(run_id=run_id, token=fence + 1, owner=holder.owner, expires=now + ttl)
                 return Claim(lease=lease, task=task, agent=agent, attempts=attempts + 1)
         return None
+
+    async def claim_many(
+        self, holder: Holder, *, limit: int, ttl: float, max_attempts: int = 5
+    ) -> list[Claim]:
+        claims: list[Claim] = []
+        while len(claims) < limit:
+            claim = await self.claim(holder, ttl=ttl, max_attempts=max_attempts)
+            if claim is None:
+                break
+            claims.append(claim)
+        return claims
+
+    async def wait_for_work(self, timeout: float) -> None:
+        await asyncio.sleep(timeout)
 
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
         sql = f"SELECT {_RUN_COLUMNS} FROM runs"
