@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from .. import _clock, step_ids
 from .._crash import crash_point
@@ -39,6 +39,7 @@ from ._backfill import MIGRATION_ADVICE
 from ._sqlite_capi import keep_wal_on_close, os_errno
 from ._sqlite_open import Progress, connect, identity, looks_like_a_journal, migrate, unwritable
 from ._sqlite_schema import SCHEMA_VERSION
+from ._sqlite_writer import GroupCommit, Outcome
 from .base import (
     Row,
     check_id,
@@ -146,6 +147,17 @@ ORDER BY updated_at, run_id LIMIT 1
 """
 
 
+@dataclass(frozen=True, slots=True)
+class _Append:
+    """One append, checked and encoded, waiting for its batch's commit."""
+
+    run_id: str
+    rows: list[Row]
+    counts: dict[str, Any]
+    status: RunStatus | None
+    lease: Lease | None
+
+
 class SqliteCheckpointer:
     """Journal in one SQLite file.
 
@@ -172,6 +184,7 @@ class SqliteCheckpointer:
         self.read_only = read_only
         self._timeout = timeout
         self._db = connect(self.path, timeout, read_only=read_only)
+        self._writer = GroupCommit(self._commit_batch)
         try:
             self._open()
         except BaseException:
@@ -198,34 +211,28 @@ class SqliteCheckpointer:
     async def append(
         self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
     ) -> None:
+        # Checked and encoded before it joins a batch: bad input fails only its caller.
+        run_id, rows = encode_batch(events)
+        await self._writer.submit(_Append(run_id, rows, counts_of(events), status, lease))
+
+    def _commit_batch(self, batch: list[_Append]) -> list[Outcome]:
+        """Write the appends of one loop turn in one transaction (see ``_sqlite_writer``)."""
+        if len(batch) == 1:  # a single run: exactly the one transaction of before
+            try:
+                self._commit_alone(batch[0])
+            except Exception as exc:
+                return [exc]
+            return [None]
+        return self._commit_together(batch)
+
+    def _commit_alone(self, item: _Append) -> None:
         # The hot path of every step: one transaction written out by hand, without
         # the context managers the other methods use (they cost a few µs a step).
-        run_id, rows = encode_batch(events)
-        counts, now, db = counts_of(events), time.time(), self._db
+        db = self._db
         try:
             db.execute("BEGIN IMMEDIATE")
             try:
-                if lease is not None and status is None:  # the lease checked and extended
-                    added = (len(rows), now, counts["calls"], counts["tools"], counts["inp"])
-                    more = (counts["out"], counts["cost"], counts["cread"], counts["cwrite"])
-                    where = (run_id, lease.token, lease.owner)
-                    row = added + more + where
-                    if db.execute(_APPEND_LEASED_SAME_STATUS, row).rowcount == 0:
-                        raise lease_lost(lease)
-                else:
-                    params = {"run_id": run_id, "status": status, "added": len(rows), "now": now}
-                    params |= counts
-                    if lease is None:
-                        if db.execute(_UPSERT_RUN, params).rowcount == 0:
-                            raise run_closed(run_id)
-                    else:
-                        params |= {"token": lease.token, "owner": lease.owner}
-                        if db.execute(_APPEND_LEASED, params).rowcount == 0:
-                            raise lease_lost(lease)
-                try:
-                    db.executemany(_INSERT_RECORD, rows)
-                except sqlite3.IntegrityError:
-                    raise self._duplicate(run_id, rows) from None
+                self._write(item, time.time(), alone=True)
                 crash_point("inside_commit")
             except BaseException:
                 db.rollback()
@@ -234,9 +241,68 @@ class SqliteCheckpointer:
         except sqlite3.Error as exc:
             raise self._translated(exc) from exc
 
-    def _duplicate(self, run_id: str, rows: list[Row]) -> DuplicateRecord:
-        """Roll the batch back and name its first record the journal already held."""
-        self._db.rollback()
+    def _commit_together(self, batch: list[_Append]) -> list[Outcome]:
+        """One transaction, one SAVEPOINT per append: an append refused (DuplicateRecord,
+        LeaseLost, RunClosed) is rolled back alone with its own error; the others commit.
+        An SQLite error (busy, full, read-only, damaged...) fails the whole batch, each
+        append with the error it would have had alone: nothing of the batch is recorded.
+        """
+        db, now = self._db, time.time()
+        outcomes: list[Outcome] = []
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for item in batch:
+                    db.execute("SAVEPOINT one_append")
+                    try:
+                        self._write(item, now, alone=False)
+                    except (JournalError, UsageError) as exc:
+                        db.execute("ROLLBACK TO one_append")
+                        outcomes.append(exc)
+                    else:
+                        outcomes.append(None)
+                        crash_point("inside_commit")
+                    db.execute("RELEASE one_append")
+            except BaseException:
+                db.rollback()
+                raise
+            db.commit()
+        except sqlite3.Error as exc:
+            return [self._translated(exc) for _ in batch]
+        return outcomes
+
+    def _write(self, item: _Append, now: float, *, alone: bool) -> None:
+        """The statements of one append, inside a transaction the caller opened."""
+        db, counts, lease, status = self._db, item.counts, item.lease, item.status
+        run_id, rows = item.run_id, item.rows
+        if lease is not None and status is None:  # the lease checked and extended
+            added = (len(rows), now, counts["calls"], counts["tools"], counts["inp"])
+            more = (counts["out"], counts["cost"], counts["cread"], counts["cwrite"])
+            where = (run_id, lease.token, lease.owner)
+            row = added + more + where
+            if db.execute(_APPEND_LEASED_SAME_STATUS, row).rowcount == 0:
+                raise lease_lost(lease)
+        else:
+            params = {"run_id": run_id, "status": status, "added": len(rows), "now": now}
+            params |= counts
+            if lease is None:
+                if db.execute(_UPSERT_RUN, params).rowcount == 0:
+                    raise run_closed(run_id)
+            else:
+                params |= {"token": lease.token, "owner": lease.owner}
+                if db.execute(_APPEND_LEASED, params).rowcount == 0:
+                    raise lease_lost(lease)
+        try:
+            db.executemany(_INSERT_RECORD, rows)
+        except sqlite3.IntegrityError:
+            raise self._duplicate(run_id, rows, alone=alone) from None
+
+    def _duplicate(self, run_id: str, rows: list[Row], *, alone: bool) -> DuplicateRecord:
+        """Undo the append's rows and name its first record the journal already held."""
+        if alone:
+            self._db.rollback()
+        else:  # one append of a batch: only its own savepoint
+            self._db.execute("ROLLBACK TO one_append")
         sql = "SELECT 1 FROM journal WHERE run_id = ? AND step_id = ? AND phase = ?"
         for row in rows:
             if self._db.execute(sql, row[:3]).fetchone() is not None:
