@@ -26,9 +26,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_overhead import FSYNC_CLASS, TASK, TOOLS, parse_strace_summary, scripted  # noqa: E402
+from step_overhead import FSYNC_CLASS, TASK, TOOLS, parse_strace_summary, scripted
 
-from asiento import Agent, Session, SqliteCheckpointer  # noqa: E402
+from asiento import Agent, Session, SqliteCheckpointer
 
 RUNS = (1, 16, 256)
 STEPS = 8
@@ -85,7 +85,8 @@ def main(args: argparse.Namespace) -> None:
         return
     directory = Path(tempfile.mkdtemp(prefix="asiento-group-", dir=args.dir))
     try:
-        print(f"== fsync-class syscalls per model+tool step, one SqliteCheckpointer, S={args.steps}")
+        title = "fsync-class syscalls per model+tool step, one SqliteCheckpointer"
+        print(f"== {title}, S={args.steps}")
         print(f"   {'runs':>6}  {'fsyncs/step':>11}")
         for runs in args.runs:
             print(f"   {runs:>6}  {per_step(directory, runs, args.steps):>11.3f}", flush=True)
