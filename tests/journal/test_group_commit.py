@@ -1,0 +1,103 @@
+"""Group commit on SQLite: appends ready together share one commit, each keeps its own error."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asiento import (
+    DuplicateRecord,
+    Holder,
+    LeaseLost,
+    Phase,
+    RunClosed,
+    SqliteCheckpointer,
+    StepEvent,
+)
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "group_commit.py"
+
+
+def ev(run_id: str, step_id: str, phase: Phase = Phase.RESULT) -> StepEvent:
+    return StepEvent(run_id=run_id, step_id=step_id, phase=phase, payload={"n": 1})
+
+
+def count_commits(store: SqliteCheckpointer) -> list[str]:
+    """The COMMIT statements the store's connection runs from now on."""
+    seen: list[str] = []
+    store._db.set_trace_callback(lambda sql: seen.append(sql) if "COMMIT" in sql.upper() else None)
+    return seen
+
+
+async def test_appends_of_many_runs_share_one_commit(sqlite_path: Path) -> None:
+    store = SqliteCheckpointer(sqlite_path)
+    try:
+        commits = count_commits(store)
+        await asyncio.gather(*(store.append(ev(f"run-{i}", "m1")) for i in range(20)))
+        assert len(commits) == 1, commits
+        for i in range(20):  # and this process reads each of them back
+            assert [e.step_id for e in await store.load(f"run-{i}")] == ["m1"]
+        await store.append(ev("run-0", "m2"))  # alone: a commit of its own, at once
+        assert len(commits) == 2, commits
+    finally:
+        await store.close()
+
+
+async def test_a_refused_append_fails_alone_with_its_own_error(sqlite_path: Path) -> None:
+    store = SqliteCheckpointer(sqlite_path)
+    try:
+        await store.append(ev("dup", "m1"))
+        await store.append(ev("closed", "m1"), status="closed")
+        lease = await store.acquire("leased", Holder.here(), ttl=30)
+        await store.acquire("leased", Holder.here(), ttl=30, force=True)  # the lease is lost
+        commits = count_commits(store)
+        outcomes = await asyncio.gather(
+            store.append(ev("ok-1", "m1")),
+            store.append(ev("dup", "m2"), ev("dup", "m1")),
+            store.append(ev("closed", "m2")),
+            store.append(ev("leased", "m1"), lease=lease),
+            store.append(ev("ok-2", "m1")),
+            return_exceptions=True,
+        )
+        assert len(commits) == 1, commits
+        assert outcomes[0] is None
+        assert outcomes[4] is None
+        assert isinstance(outcomes[1], DuplicateRecord)
+        assert outcomes[1].step_id == "m1"
+        assert isinstance(outcomes[2], RunClosed)
+        assert isinstance(outcomes[3], LeaseLost)
+        assert [e.step_id for e in await store.load("dup")] == ["m1"]  # m2 rolled back with it
+        assert [e.step_id for e in await store.load("closed")] == ["m1"]
+        assert await store.load("leased") == []
+        for run_id in ("ok-1", "ok-2"):
+            assert [e.step_id for e in await store.load(run_id)] == ["m1"]
+    finally:
+        await store.close()
+    with sqlite3.connect(sqlite_path) as con:  # what another process sees
+        assert con.execute("SELECT count(*) FROM journal").fetchone() == (4,)
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+def test_fsyncs_per_step_fall_with_concurrent_runs(tmp_path: Path) -> None:
+    """bench/group_commit.py: exactly 2 fsync-class calls per step alone, far fewer at 16."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--runs", "1", "16", "--steps", "4", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = {}
+    for line in done.stdout.splitlines():
+        cells = line.split()
+        if len(cells) == 2 and cells[0].isdigit():
+            figures[int(cells[0])] = float(cells[1])
+    assert figures[1] == 2.0, done.stdout
+    assert figures[16] < 1.0, done.stdout
