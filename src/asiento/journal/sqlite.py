@@ -184,7 +184,7 @@ class SqliteCheckpointer:
         self.read_only = read_only
         self._timeout = timeout
         self._db = connect(self.path, timeout, read_only=read_only)
-        self._writer = GroupCommit(self._commit_batch)
+        self._writer = GroupCommit(self._commit_batch, self._commit_alone)
         try:
             self._open()
         except BaseException:
@@ -213,7 +213,8 @@ class SqliteCheckpointer:
     ) -> None:
         # Checked and encoded before it joins a batch: bad input fails only its caller.
         run_id, rows = encode_batch(events)
-        await self._writer.submit(_Append(run_id, rows, counts_of(events), status, lease))
+        item = _Append(run_id, rows, counts_of(events), status, lease)
+        await self._writer.submit(item, run_id=run_id)
 
     def _commit_batch(self, batch: list[_Append]) -> list[Outcome]:
         """Write the appends of one loop turn in one transaction (see ``_sqlite_writer``)."""
