@@ -101,3 +101,36 @@ def test_fsyncs_per_step_fall_with_concurrent_runs(tmp_path: Path) -> None:
             figures[int(cells[0])] = float(cells[1])
     assert figures[1] == 2.0, done.stdout
     assert figures[16] < 1.0, done.stdout
+
+
+async def test_a_cancelled_leader_still_commits_its_batch(sqlite_path: Path) -> None:
+    """The append that leads a batch is cancelled while it yields: every append still commits."""
+    store = SqliteCheckpointer(sqlite_path)
+    try:
+        commits = count_commits(store)
+        leader = asyncio.ensure_future(store.append(ev("run-0", "m1")))
+        others = [asyncio.ensure_future(store.append(ev(f"run-{i}", "m1"))) for i in (1, 2)]
+        await asyncio.sleep(0)  # the leader queued its append and yields; the others join
+        leader.cancel()
+        await asyncio.wait_for(asyncio.gather(*others), 30)  # bounded, were the batch lost
+        with pytest.raises(asyncio.CancelledError):
+            await leader
+        assert len(commits) == 1, commits
+        for i in range(3):
+            assert [e.step_id for e in await store.load(f"run-{i}")] == ["m1"]
+    finally:
+        await store.close()
+
+
+def test_a_store_serves_one_loop_after_another(sqlite_path: Path) -> None:
+    """asyncio.run twice on one store (the second loop finds nothing left queued)."""
+    store = SqliteCheckpointer(sqlite_path)
+
+    async def batch(step: str) -> None:
+        await asyncio.gather(*(store.append(ev(f"run-{i}", step)) for i in range(3)))
+
+    asyncio.run(batch("m1"))
+    asyncio.run(batch("m2"))
+    loaded = asyncio.run(store.load("run-2"))
+    asyncio.run(store.close())
+    assert [e.step_id for e in loaded] == ["m1", "m2"]
