@@ -104,6 +104,17 @@ def waiting_of(events: Sequence[StepEvent], status: RunStatus) -> list[Waiting]:
     return found
 
 
+def budget_stop_of(events: Sequence[StepEvent]) -> tuple[str, BudgetStop] | None:
+    """The run's stop on its budget that no raise answered yet (its step id and record)."""
+    journal = index(events)
+    if Phase.RESULT in journal.get(step_ids.FINAL, {}):
+        return None
+    for step_id, phases in journal.items():
+        if step_ids.is_budget(step_id) and Phase.INTENT in phases and Phase.APPROVAL not in phases:
+            return step_id, BudgetStop.from_json(phases[Phase.INTENT].payload)
+    return None
+
+
 def waiting(state: StepState, kind: Waits) -> Waiting:
     """A step as a person sees it while it waits for ``kind``."""
     intent = Intent.from_json(state.records[Phase.INTENT].payload)
