@@ -227,3 +227,49 @@ def test_raise_from_the_cli_then_resume(tmp_path: Path) -> None:
         return len(gw.calls)
 
     assert asyncio.run(second()) == STEPS + 1 - 2
+
+
+CHILD = """
+import asyncio, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from asiento import Budget, Session, SqliteCheckpointer
+from asiento.testing import ScriptedGateway
+import test_budget as tb
+
+class Counting(ScriptedGateway):
+    async def complete(self, request, *, idempotency_key):
+        with open(sys.argv[2], "a") as paid:
+            paid.write(idempotency_key + "\\n")
+        return await super().complete(request, idempotency_key=idempotency_key)
+
+async def main():
+    store = SqliteCheckpointer(Path(sys.argv[1]))
+    a = tb.agent(Budget(max_model_calls=3))
+    steps = [s async for s in a.run(tb.TASK, session=Session(tb.RUN, Counting(tb.script()), store))]
+    print(type(steps[-1]).__name__)
+    await store.close()
+
+asyncio.run(main())
+"""
+
+
+def test_a_run_killed_after_some_calls_is_not_charged_twice(tmp_path: Path) -> None:
+    """SIGKILLed right after m2's answer is durable; the restarted process replays m1 and m2
+    (not counted again) and pays only m3: the budget of 3 is paid exactly 3 calls."""
+    db, paid = tmp_path / "runs.db", tmp_path / "paid.txt"
+    here = str(Path(__file__).parent)
+    argv = [sys.executable, "-c", CHILD, str(db), str(paid), here]
+    env = {**os.environ, "ASIENTO_CRASH_AT": "after_model_result@2"}
+    killed = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert killed.returncode == -9, killed.stderr
+    assert len(paid.read_text().splitlines()) == 2
+    env.pop("ASIENTO_CRASH_AT")
+    resumed = subprocess.run(
+        argv, env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.strip() == "BudgetStep"
+    keys = paid.read_text().splitlines()
+    assert len(keys) == 3
+    assert len(set(keys)) == 3  # no call paid twice
