@@ -25,6 +25,8 @@ DOCUMENTED = [
     "ModelStep",
     "ToolStep",
     "ApprovalStep",
+    "Budget",
+    "BudgetStep",
     "FinalStep",
     "ModelRequest",
     "ModelResponse",

@@ -2,8 +2,9 @@
 
 from ._canonical import idem_key, model_key
 from .agent import Agent
+from .budget import Budget
 from .context import StepContext, current_step
-from .decisions import abandon, approve, deny, resolve, unpark
+from .decisions import abandon, approve, deny, raise_budget, resolve, unpark
 from .errors import (
     ApprovalError,
     ApprovalMismatch,
@@ -32,6 +33,7 @@ from .errors import (
 )
 from .events import (
     ApprovalStep,
+    BudgetStep,
     Claim,
     Decision,
     FinalStep,
@@ -76,6 +78,8 @@ __all__ = [
     "ApprovalRefused",
     "ApprovalStep",
     "AsientoError",
+    "Budget",
+    "BudgetStep",
     "Checkpointer",
     "Claim",
     "Decision",
@@ -137,6 +141,7 @@ __all__ = [
     "idem_key",
     "model_key",
     "open_store",
+    "raise_budget",
     "require_approval_for",
     "resolve",
     "submit",

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from . import budget as budgets
 from . import context, shutdown, step_ids
 from ._canonical import (
     FingerprintChain,
@@ -31,6 +32,7 @@ from .errors import (
 )
 from .events import (
     ApprovalStep,
+    BudgetStep,
     Decision,
     FinalStep,
     Lease,
@@ -53,6 +55,7 @@ from .model import (
 from .payloads import (
     SUBMITTED,
     Approval,
+    BudgetStop,
     Final,
     Intent,
     ModelResult,
@@ -78,6 +81,7 @@ class Agent:
         tools: Sequence[Tool] = (),
         policy: Policy | None = None,
         max_turns: int = 50,
+        budget: budgets.Budget | None = None,
     ) -> None:
         if not isinstance(instructions, str):
             raise UsageError("Agent(instructions=...) must be a str")
@@ -91,6 +95,9 @@ class Agent:
             raise UsageError(f"Agent(tools=...) has two tools with the same name: {names}")
         if max_turns < 1:
             raise UsageError("Agent(max_turns=...) must be at least 1")
+        if budget is not None and not isinstance(budget, budgets.Budget):
+            raise UsageError(f"Agent(budget=...) takes a Budget(...), got {budget!r}")
+        self.budget = budget
         self.instructions = instructions
         self.tools = {t.name: t for t in tools}
         self.policy: Policy = policy or allow_all
@@ -128,6 +135,10 @@ _NOT_STARTED = Resolution(
 )
 
 
+class _OverBudget(Exception):
+    """The run's budget is spent before a new model call: the walk stops here."""
+
+
 class _Decided(Exception):
     """A person decided the step this pass was about to wait for, after the pass read
     the journal: the pass walks the run again from the journal instead of waiting."""
@@ -149,6 +160,7 @@ class _Pass:
         self.counted: set[str] = set()  # steps whose call or replay this pass counted
         self.unrecorded: list[StepEvent] = []  # records an append refused (lease lost)
         self.ready: _Ready | None = None  # a tool step durable and about to run
+        self.spent = budgets.Spent()  # what the model steps walked so far spent
 
     async def steps(self) -> AsyncIterator[Step]:
         final = await self.store.final(self.run_id)
@@ -180,6 +192,10 @@ class _Pass:
         while True:
             try:
                 async for step in self._walk():
+                    yield step
+                return
+            except _OverBudget:
+                for step in self._drain():
                     yield step
                 return
             except _Decided:
@@ -234,6 +250,7 @@ class _Pass:
     async def _walk(self) -> AsyncIterator[Step]:
         """Replay what the journal holds, then do what is missing, step by step."""
         self.journal = index(await self.store.load(self.run_id))
+        self.spent = budgets.Spent()
         final = self.journal.get(step_ids.FINAL, {}).get(Phase.RESULT)
         if final is not None:  # closed by the session we waited for
             await self.store.set_status(self.run_id, RunStatus.CLOSED, lease=self.lease)
@@ -283,6 +300,7 @@ class _Pass:
         if recorded is not None:
             response = self._replay_model(step_id, fp, recorded)
         else:
+            await self._check_budget(step_id)
             response = await self._call_model(step_id, fp)
         self._add(Message(role="assistant", content=response.text, tool_calls=response.tool_calls))
         return response
@@ -297,6 +315,7 @@ class _Pass:
                 f"the resumed run would send {fp[:12]}…",
             )
         response = result.response
+        self.spent.add(result)
         if self._first_time(step_id):  # a second walk replays what this pass counted
             self.stats.model_calls_replayed += 1
             self.stats.input_tokens_saved += response.usage.input_tokens
@@ -326,11 +345,56 @@ class _Pass:
         self.stats.output_tokens += response.usage.output_tokens
         cost = cost_of(response.usage, response.model, self.session.prices)
         self.stats.cost += cost or 0.0
-        self._record(step_id, Phase.RESULT, ModelResult(fp=fp, response=response, cost=cost))
+        result = ModelResult(fp=fp, response=response, cost=cost)
+        self.spent.add(result)
+        self._record(step_id, Phase.RESULT, result)
         self.waiting.append(
             ModelStep(run_id=self.run_id, step_id=step_id, response=response, idempotency_key=key)
         )
         return response
+
+    async def _check_budget(self, step_id: str) -> None:
+        """Before a new (paid) call: stop, suspended and resumable, if the budget is spent.
+
+        The stop is recorded (``budget{n}``, what was spent against which limit) and the
+        run waits for a person's raise there; a raise recorded after this pass read the
+        journal is not lost: the conditional status sees it and the pass walks again.
+        """
+        if self.agent.budget is None:
+            return
+        budget = budgets.in_force(self.agent.budget, self.journal)
+        limit = budgets.reached(budget, self.spent)
+        if limit is None:
+            return
+        stop_id = budgets.open_stop(self.journal)
+        stop = BudgetStop(
+            limit=limit, spent=self.spent.as_limits(), budget=budget.limits(), before=step_id
+        )
+        if Phase.INTENT not in self.journal.get(stop_id, {}):
+            self._record(stop_id, Phase.INTENT, stop)
+        await self._flush()
+        why = (
+            f"stopped on its budget before {step_id}: {budgets.describe(limit, self.spent, budget)}"
+        )
+        if not await self.store.set_status(
+            self.run_id,
+            RunStatus.SUSPENDED,
+            reason=why,
+            lease=self.lease,
+            waits_for=(stop_id, Phase.APPROVAL),
+        ):
+            raise _Decided
+        log.info("run %r %s", self.run_id, why)
+        self.out.append(
+            BudgetStep(
+                run_id=self.run_id,
+                step_id=stop_id,
+                limit=limit,
+                spent=stop.spent,
+                budget=stop.budget,
+            )
+        )
+        raise _OverBudget
 
     async def _close(self, step_id: str, response: ModelResponse) -> None:
         self._record(step_ids.FINAL, Phase.RESULT, Final(step=step_id, text=response.text))

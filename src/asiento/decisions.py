@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+from . import budget as budgets
 from . import lease as lease_state
 from . import step_ids
 from ._crash import crash_point
@@ -27,7 +28,7 @@ from .errors import (
 from .events import Decision, Lease, Phase, RunStatus, StepEvent
 from .journal.base import Checkpointer, check_id
 from .lease import Holder
-from .payloads import Approval, Final, Resolution
+from .payloads import Approval, BudgetRaise, Final, Resolution
 from .replay import Indexed, Waits, index, same_fingerprint, step_state, waits_for
 from .views import Waiting, decided_by, find_run, waiting
 
@@ -159,6 +160,57 @@ async def resolve(
         except LeaseLost:  # only abandoning takes the lease from a live holder
             raise closed_error(run_id, "resolved") from None
     return event
+
+
+async def raise_budget(
+    store: Checkpointer,
+    run_id: str,
+    *,
+    by: str,
+    max_cost: float | None = None,
+    max_tokens: int | None = None,
+    max_model_calls: int | None = None,
+    reason: str = "",
+) -> StepEvent:
+    """Raise the budget of a run stopped on it; the next pass makes the new calls.
+
+    The raise is a journal record at the run's open stop (``budget{n}``), so every
+    worker resuming the run sees it; each limit in force is the largest of the
+    code's and of every raise (see ``asiento.budget``).
+    """
+    check_id("run_id", run_id)
+    if not isinstance(by, str) or not by:
+        raise UsageError("say who raises the budget: by='name'")
+    asked = budgets.Budget(max_cost, max_tokens, max_model_calls)  # checks the numbers
+    limits = {k: float(v) for k, v in asked.limits().items() if v is not None}
+    if not limits:
+        raise UsageError("say which limit to raise: max_cost, max_tokens or max_model_calls")
+    events = await store.load(run_id)
+    if not events and await store.run(run_id) is None:
+        raise UsageError(f"unknown run {run_id!r} in this journal; `asiento runs` lists them")
+    journal = index(events)
+    _refuse_closed(journal, run_id, _RAISED)
+    stop_id = budgets.open_stop(journal)
+    if Phase.INTENT not in journal.get(stop_id, {}):
+        raise UsageError(f"run {run_id!r} is not stopped on its budget; nothing was recorded")
+    event = StepEvent(
+        run_id=run_id,
+        step_id=stop_id,
+        phase=Phase.APPROVAL,
+        payload=BudgetRaise(limits=limits, by=by, reason=reason).to_json(),
+    )
+    try:  # no lease needed: a pass replaying meanwhile sees it in its conditional status
+        await store.append(event, status=RunStatus.RUNNING)
+    except DuplicateRecord:
+        raise UsageError(
+            f"run {run_id!r}: its budget was raised by someone else first; nothing recorded"
+        ) from None
+    except RunClosed:
+        raise closed_error(run_id, _RAISED) from None
+    return event
+
+
+_RAISED = "given a bigger budget"
 
 
 async def pending_approval(store: Checkpointer, run_id: str, step_id: str) -> Waiting:

@@ -185,4 +185,19 @@ class FinalStep:
     abandoned: bool = False
 
 
-Step = ModelStep | ToolStep | ApprovalStep | FinalStep
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BudgetStep:
+    """The run stopped before a new model call: its budget is spent (``limit`` says which).
+
+    The run is suspended, not closed: a person raises the budget (``asiento budget``,
+    ``asiento.raise_budget``) and the run goes on from here.
+    """
+
+    run_id: str
+    step_id: str
+    limit: str
+    spent: Mapping[str, float]
+    budget: Mapping[str, float | None]
+
+
+Step = ModelStep | ToolStep | ApprovalStep | FinalStep | BudgetStep

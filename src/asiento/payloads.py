@@ -269,7 +269,6 @@ class Final:
 
 
 # Any payload type: what ``_Pass._record`` takes.
-Payload = ModelResult | Intent | Outcome | Approval | Resolution | Final
 
 
 def usage_of(payload: Mapping[str, Any]) -> tuple[int, int, int, int, float] | None:
@@ -285,3 +284,56 @@ def usage_of(payload: Mapping[str, Any]) -> tuple[int, int, int, int, float] | N
     cache = response.get("cache") or (0, 0)
     cost = float(payload.get("cost") or 0.0)
     return int(usage[0]), int(usage[1]), int(cache[0]), int(cache[1]), cost
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BudgetStop:
+    """The run stopped before a model call because its budget was spent (a new record
+    kind, written at a ``budget{n}`` step as its intent): what was spent, against what."""
+
+    limit: str
+    spent: Mapping[str, float]
+    budget: Mapping[str, float | None]
+    before: str
+
+    def to_json(self) -> Json:
+        return {
+            "limit": self.limit,
+            "spent": dict(self.spent),
+            "budget": dict(self.budget),
+            "before": self.before,
+        }
+
+    @classmethod
+    def from_json(cls, payload: Mapping[str, Any]) -> BudgetStop:
+        return cls(
+            limit=str(payload.get("limit", "")),
+            spent=dict(payload.get("spent") or {}),
+            budget=dict(payload.get("budget") or {}),
+            before=str(payload.get("before", "")),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BudgetRaise:
+    """A person's raise of a stopped run's budget (written at the stop's step as its
+    approval): the new limits it names, who and why."""
+
+    limits: Mapping[str, float]
+    by: str
+    reason: str
+
+    def to_json(self) -> Json:
+        return {"limits": dict(self.limits), "by": self.by, "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, payload: Mapping[str, Any]) -> BudgetRaise:
+        limits = payload.get("limits") or {}
+        return cls(
+            limits={str(k): float(v) for k, v in limits.items()},
+            by=str(payload.get("by") or ""),
+            reason=str(payload.get("reason") or ""),
+        )
+
+
+Payload = ModelResult | Intent | Outcome | Approval | Resolution | Final | BudgetStop | BudgetRaise

@@ -3,6 +3,7 @@
     m{n}             the n-th model step: m1, m2, ...
     m{n}.t{k}        the k-th tool call the model asked for in m{n}: m1.t1, m1.t2, ...
     m{n}.t{k}/{a}    attempt a (2, 3, ...) of that tool step; attempt 1 is the step id itself
+    budget{n}        the n-th stop of the run on its budget (and a person's raise of it)
     final            the run's final record
 
 The same journal always yields the same ids. Nothing else in asiento builds or
@@ -50,3 +51,16 @@ def is_retry(record_id: str) -> bool:
 def is_model(record_id: str) -> bool:
     """Whether the record id names a model step."""
     return record_id.startswith("m") and record_id[1:].isdigit()
+
+
+_BUDGET = "budget"
+
+
+def budget(number: int) -> str:
+    """The id of the run's ``number``-th stop on its budget (counted from 1)."""
+    return f"{_BUDGET}{number}"
+
+
+def is_budget(record_id: str) -> bool:
+    """Whether the record id names a stop on the run's budget."""
+    return record_id.startswith(_BUDGET) and record_id[len(_BUDGET) :].isdigit()

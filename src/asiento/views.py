@@ -27,6 +27,8 @@ from .journal.base import Checkpointer
 from .model import ModelResponse
 from .payloads import (
     Approval,
+    BudgetRaise,
+    BudgetStop,
     Final,
     Intent,
     ModelResult,
@@ -93,11 +95,24 @@ def waiting_of(events: Sequence[StepEvent], status: RunStatus) -> list[Waiting]:
     for step_id, phases in journal.items():
         if Phase.INTENT not in phases or step_ids.is_retry(step_id):
             continue
+        if step_ids.is_budget(step_id):  # a stop on the budget, not a tool step
+            continue
         state = step_state(journal, step_id)
         kind = waits_for(state.records, uncertain=uncertain, closed=closed)
         if kind is not None:
             found.append(waiting(state, kind))
     return found
+
+
+def budget_stop_of(events: Sequence[StepEvent]) -> tuple[str, BudgetStop] | None:
+    """The run's stop on its budget that no raise answered yet (its step id and record)."""
+    journal = index(events)
+    if Phase.RESULT in journal.get(step_ids.FINAL, {}):
+        return None
+    for step_id, phases in journal.items():
+        if step_ids.is_budget(step_id) and Phase.INTENT in phases and Phase.APPROVAL not in phases:
+            return step_id, BudgetStop.from_json(phases[Phase.INTENT].payload)
+    return None
 
 
 def waiting(state: StepState, kind: Waits) -> Waiting:
@@ -147,6 +162,8 @@ def summary(event: StepEvent) -> str:
     if event.step_id == step_ids.FINAL:
         closed = Final.from_json(payload)
         return f"closed after {closed.step}: {_text(closed.text)}"
+    if step_ids.is_budget(event.step_id):
+        return _budget_summary(event)
     if event.phase == Phase.RESULT and is_model_result(payload):
         return _model_summary(ModelResult.from_json(payload).response)
     if event.phase == Phase.INTENT:
@@ -160,6 +177,19 @@ def summary(event: StepEvent) -> str:
     if event.phase == Phase.RESOLUTION:
         return _resolution_summary(Resolution.from_json(payload))
     return _outcome_summary(Outcome.from_json(payload))
+
+
+def _budget_summary(event: StepEvent) -> str:
+    if event.phase == Phase.APPROVAL:
+        raised = BudgetRaise.from_json(event.payload)
+        limits = ", ".join(f"{k}={v:g}" for k, v in raised.limits.items())
+        why = f" ({raised.reason})" if raised.reason else ""
+        return f"budget raised to {limits} by {raised.by or 'someone'}{why}"
+    stop = BudgetStop.from_json(event.payload)
+    return (
+        f"stopped on its budget before {stop.before}: {stop.limit} spent "
+        f"{stop.spent.get(stop.limit, 0):g} of {stop.budget.get(stop.limit)}"
+    )
 
 
 def _model_summary(response: ModelResponse) -> str:

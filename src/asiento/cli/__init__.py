@@ -32,7 +32,7 @@ from .. import shutdown, views
 from ..decisions import abandon as abandon_run
 from ..decisions import approve as approve_step
 from ..decisions import deny as deny_step
-from ..decisions import pending_approval, pending_resolution
+from ..decisions import pending_approval, pending_resolution, raise_budget
 from ..decisions import resolve as resolve_step
 from ..decisions import unpark as unpark_run
 from ..errors import AsientoError, UsageError
@@ -421,6 +421,41 @@ def unpark(run_id: str, by: str, reason: str, store: str) -> None:
 
     info = with_store(store, job)
     click.echo(f"run {run_id!r} is unparked. {_what_next(info, store)}")
+
+
+@main.command()
+@click.argument("run_id", metavar="RUN")
+@by_option
+@click.option("--max-cost", type=float, default=None, help="The new cost limit.")
+@click.option("--max-tokens", type=int, default=None, help="The new limit on tokens.")
+@click.option("--max-model-calls", type=int, default=None, help="The new limit on model calls.")
+@click.option("--reason", default="", help="Why (recorded in the journal).")
+@store_option
+def budget(
+    run_id: str,
+    by: str,
+    max_cost: float | None,
+    max_tokens: int | None,
+    max_model_calls: int | None,
+    reason: str,
+    store: str,
+) -> None:
+    """Raise the budget of a run stopped on it; the next pass makes the new calls."""
+
+    async def job(journal: Checkpointer) -> RunInfo:
+        await raise_budget(
+            journal,
+            run_id,
+            by=by,
+            max_cost=max_cost,
+            max_tokens=max_tokens,
+            max_model_calls=max_model_calls,
+            reason=reason,
+        )
+        return await views.find_run(journal, run_id)
+
+    info = with_store(store, job)
+    click.echo(f"run {run_id!r}: budget raised. {_what_next(info, store)}")
 
 
 # -- servers -------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from starlette.routing import Route
 
 from .. import step_ids
 from .. import views as fmt
-from ..decisions import approve, deny, resolve
+from ..decisions import approve, deny, raise_budget, resolve
 from ..effects.records import effect_records_of
 from ..errors import ApprovalError, AsientoError, UsageError
 from ..events import Phase, RunInfo, RunStatus
@@ -226,6 +226,7 @@ class Pages:
             timeline=fmt.timeline(events),
             waiting=fmt.waiting_of(events, info.status),
             effects=effect_records_of(events),
+            budget_stop=fmt.budget_stop_of(events),
             message=error or done,
             message_kind="error" if error else "ok",
         )
@@ -363,6 +364,24 @@ class Pages:
         )
         return step_id
 
+    async def budget(self, form: Mapping[str, str], by: str) -> str:
+        """Raise the budget of a run stopped on it (the limits the form fills in)."""
+        limits: dict[str, Any] = {}
+        for name, kind in (("max_cost", float), ("max_tokens", int), ("max_model_calls", int)):
+            text = form.get(name, "").strip()
+            if not text:
+                continue
+            try:
+                limits[name] = kind(text)
+            except ValueError:
+                msg = f"{name} must be a number, got {text!r}. Nothing recorded."
+                raise _Refused(400, msg) from None
+        reason = form.get("reason", "").strip()
+        event = await raise_budget(
+            self.store, form.get("run_id", ""), by=by, reason=reason, **limits
+        )
+        return event.step_id
+
     async def _conflict(self, form: Mapping[str, str], exc: AsientoError) -> str:
         """Why a decision was not recorded; if someone decided first, who and what."""
         run_id, step_id = form.get("run_id", ""), form.get("step_id", "")
@@ -450,6 +469,7 @@ def create_app(
         Route("/approve", pages.action(pages.approve), methods=["POST"]),
         Route("/deny", pages.action(pages.deny), methods=["POST"]),
         Route("/resolve", pages.action(pages.resolve), methods=["POST"]),
+        Route("/budget", pages.action(pages.budget), methods=["POST"]),
     ]
     middleware = [Middleware(AllowedHosts, hosts=list(allowed_hosts))]
     return Starlette(routes=routes, middleware=middleware, lifespan=pages.lifespan)

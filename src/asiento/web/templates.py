@@ -212,6 +212,23 @@ RUN = """{% extends "base.html" %}{% from "card.html" import card %}
     claimed {{ run.attempts }}×)</dd>{% endif %}
   {% if run.reason %}<dt>note</dt><dd>{{ run.reason }}</dd>{% endif %}
 </dl>
+{% if budget_stop %}{% set stop = budget_stop[1] %}<h2>Stopped on its budget</h2>
+<div class="card budget"><p>Stopped before <code>{{ stop.before }}</code>: {{ stop.limit }}
+  spent {{ stop.spent.get(stop.limit) }} of {{ stop.budget.get(stop.limit) }}
+  (spent: {% for k, v in stop.spent.items() %}{{ k }} {{ v }}{{ ", " if not loop.last }}
+  {% endfor %}; budget: {% for k, v in stop.budget.items() %}{{ k }} {{ v }}
+  {{ ", " if not loop.last }}{% endfor %}).</p>
+  {% if operator %}<form method="post" action="/budget">
+    <input type="hidden" name="run_id" value="{{ run.run_id }}">
+    <input type="hidden" name="csrf" value="{{ csrf }}">
+    <input type="text" name="max_cost" placeholder="new max_cost" aria-label="max_cost">
+    <input type="text" name="max_tokens" placeholder="new max_tokens" aria-label="max_tokens">
+    <input type="text" name="max_model_calls" placeholder="new max_model_calls"
+      aria-label="max_model_calls">
+    <input type="text" name="reason" placeholder="why" aria-label="reason">
+    <div class="actions"><button class="approve">Raise the budget</button></div>
+  </form>{% else %}<p class="muted">Log in with the operator token to raise the budget.</p>
+  {% endif %}</div>{% endif %}
 {% if people %}<h2>Waiting for a person</h2>
 <div class="cards">{% for w in people %}{{ card(w, csrf, operator) }}{% endfor %}</div>{% endif %}
 {% for w in waiting if not w.needs_person %}

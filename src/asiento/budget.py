@@ -1,0 +1,135 @@
+"""Budgets per run: what a run may spend on its model, and what it spent (one home).
+
+What a run spent is read from its journal (its recorded model results), so a
+replayed answer is counted once however often the run is resumed. A new model
+call is made only while the spent total is below every limit; a replayed answer
+is never blocked. The limits in force are the largest of the code's
+``Agent(budget=...)`` and of every raise a person recorded for that limit: a
+raise only ever raises, and a limit the code leaves unset stays unlimited.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from . import step_ids
+from .errors import UsageError
+from .events import Phase, StepEvent
+from .payloads import BudgetRaise, ModelResult, is_model_result
+
+LIMITS = ("max_cost", "max_tokens", "max_model_calls")
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """Limits on one run's model spending; ``None`` leaves a limit unset.
+
+    ``max_cost`` is in the currency of the session's prices (a call whose cost is
+    unknown counts 0), ``max_tokens`` counts input plus output tokens.
+    """
+
+    max_cost: float | None = None
+    max_tokens: int | None = None
+    max_model_calls: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in LIMITS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise UsageError(f"Budget({name}=...) must be a number, got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise UsageError(f"Budget({name}=...) must be a finite number >= 0, got {value!r}")
+
+    def limits(self) -> dict[str, float | None]:
+        return {name: getattr(self, name) for name in LIMITS}
+
+    def raised(self, raises: Mapping[str, float]) -> Budget:
+        """This budget with a person's raise: each limit the larger of the two."""
+        merged: dict[str, float | None] = {}
+        for name, value in self.limits().items():
+            new = raises.get(name)
+            merged[name] = value if new is None or value is None else max(value, new)
+        return Budget(
+            max_cost=merged["max_cost"],
+            max_tokens=None if merged["max_tokens"] is None else int(merged["max_tokens"]),
+            max_model_calls=(
+                None if merged["max_model_calls"] is None else int(merged["max_model_calls"])
+            ),
+        )
+
+
+@dataclass(slots=True)
+class Spent:
+    """What a run's recorded model calls cost."""
+
+    cost: float = 0.0
+    tokens: int = 0
+    model_calls: int = 0
+
+    def add(self, result: ModelResult) -> None:
+        self.cost += result.cost or 0.0
+        self.tokens += result.response.usage.input_tokens + result.response.usage.output_tokens
+        self.model_calls += 1
+
+    def as_limits(self) -> dict[str, float]:
+        return {
+            "max_cost": self.cost,
+            "max_tokens": self.tokens,
+            "max_model_calls": self.model_calls,
+        }
+
+
+def spent_of(events: list[StepEvent] | tuple[StepEvent, ...]) -> Spent:
+    """What the run's journal records its model calls spent (each step once)."""
+    spent = Spent()
+    for event in events:
+        if (
+            event.phase is Phase.RESULT
+            and step_ids.is_model(event.step_id)
+            and is_model_result(event.payload)
+        ):
+            spent.add(ModelResult.from_json(event.payload))
+    return spent
+
+
+def reached(budget: Budget, spent: Spent) -> str | None:
+    """The first limit ``spent`` has reached (no new call may be made), or None."""
+    used = spent.as_limits()
+    for name, limit in budget.limits().items():
+        if limit is not None and used[name] >= limit:
+            return name
+    return None
+
+
+def in_force(budget: Budget | None, journal: Mapping[str, Mapping[Phase, StepEvent]]) -> Budget:
+    """The budget in force: the code's, raised by every raise recorded in the journal.
+
+    A raise on a run whose code sets no budget limits nothing new: there is nothing
+    to raise (every limit is unset, so unlimited).
+    """
+    current = budget or Budget()
+    number = 1
+    while (raised := journal.get(step_ids.budget(number), {}).get(Phase.APPROVAL)) is not None:
+        current = current.raised(BudgetRaise.from_json(raised.payload).limits)
+        number += 1
+    return current
+
+
+def open_stop(journal: Mapping[str, Mapping[Phase, StepEvent]]) -> str:
+    """The id of the budget stop a new stop (or a person's raise) writes to: the first
+    ``budget{n}`` with no raise recorded."""
+    number = 1
+    while Phase.APPROVAL in journal.get(step_ids.budget(number), {}):
+        number += 1
+    return step_ids.budget(number)
+
+
+def describe(limit: str, spent: Spent, budget: Budget) -> str:
+    """``max_model_calls: spent 3 of 3``, for a person."""
+    used = spent.as_limits()[limit]
+    shown = f"{used:.6g}"
+    return f"{limit}: spent {shown} of {budget.limits()[limit]}"
