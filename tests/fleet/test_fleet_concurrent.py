@@ -214,3 +214,16 @@ async def test_claims_take_the_oldest_runs_and_never_more_than_the_free_slots(
     assert (worker.stats.claimed, worker.stats.closed) == (12, 12)
     assert {r.status for r in await store.runs()} == {RunStatus.CLOSED}
     await store.close()
+
+
+async def test_a_submit_on_the_same_store_wakes_a_waiting_worker(sqlite_path: Path) -> None:
+    """wait_for_work(60) on SQLite and in memory returns at a submit, release or decision."""
+    from asiento import MemoryCheckpointer
+
+    for store in (SqliteCheckpointer(sqlite_path), MemoryCheckpointer()):
+        for n in range(3):
+            waiting = asyncio.create_task(store.wait_for_work(60))
+            await asyncio.sleep(0)
+            await submit(store, f"r{n}", "task")
+            await asyncio.wait_for(waiting, 10)  # far below the 60 s the stub slept
+        await store.close()
