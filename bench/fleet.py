@@ -3,6 +3,7 @@
     python bench/fleet.py --quick                  # 300 runs per fleet size (under a minute)
     python bench/fleet.py                          # 1500 runs per fleet size (under 5 minutes)
     python bench/fleet.py --dsn postgresql://...   # an existing server (its role needs CREATE)
+    python bench/fleet.py --concurrency-table 1,16,64,256   # one SQLite process, 100 ms model
 
 Without ``--dsn`` a throwaway PostgreSQL is started from the binaries of the
 ``pgserver`` package, in a temporary directory, with its default (durable)
@@ -301,6 +302,100 @@ def local_server() -> Iterator[str]:
         cluster.stop()
 
 
+# -- concurrency on one process (SQLite) ---------------------------------------------------
+
+
+class _SlowModel:
+    """A model that takes ``latency`` seconds per answer, as a remote one would."""
+
+    def __init__(self, inner: ScriptedGateway, latency: float) -> None:
+        self.inner, self.latency = inner, latency
+
+    async def complete(self, request: ModelRequest, *, idempotency_key: str) -> ModelResponse:
+        await asyncio.sleep(self.latency)
+        return await self.inner.complete(request, idempotency_key=idempotency_key)
+
+
+class _Counted:
+    """The store, counting its write transactions (each one durable commit on SQLite)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store, self.writes = store, 0
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._store, name)
+        if name not in (*WRITES, "claim_many"):
+            return found
+
+        async def counted(*args: Any, **kwargs: Any) -> Any:
+            self.writes += 1
+            return await found(*args, **kwargs)
+
+        return counted
+
+
+async def _one_sqlite_worker(
+    path: Path, runs: int, concurrency: int, latency: float
+) -> dict[str, Any]:
+    store = await open_store(str(path))
+    for n in range(runs):
+        await submit(store, f"run-{n:05d}", f"task {n}")
+
+    @tool
+    def step(n: int) -> str:
+        """A trivial tool."""
+        return f"step {n}"
+
+    counted = _Counted(store)
+    app = App(
+        agents={"default": Agent(tools=[step])},
+        gateway=lambda: _SlowModel(script(1), latency),
+    )
+    worker = Worker(counted, app, poll=0.05, concurrency=concurrency)  # type: ignore[arg-type]
+    started = time.monotonic()
+    await worker.run(until_idle=True, max_seconds=WORKER_SECONDS)
+    seconds = time.monotonic() - started
+    await store.close()
+    steps = 3 * runs  # 2 model steps and 1 tool step a run
+    model_steps = 2 * runs
+    return {
+        "concurrency": concurrency,
+        "runs": runs,
+        "closed": worker.stats.closed,
+        "steps_per_s": steps / seconds,
+        "model_steps_per_s": model_steps / seconds,
+        "ideal_model_steps_per_s": concurrency / latency,
+        "commits_per_step": counted.writes / steps,
+    }
+
+
+def concurrency_table(folder: Path, levels: list[int], latency: float, runs_per_slot: int) -> None:
+    """One process on SQLite at each concurrency: steps/s against the ideal, commits a step."""
+    rows = []
+    for level in levels:
+        runs = max(8, level * runs_per_slot)
+        path = folder / f"concurrency-{level}.db"
+        rows.append(asyncio.run(_one_sqlite_worker(path, runs, level, latency)))
+    base = rows[0]["model_steps_per_s"]
+    print(f"\none worker process on SQLite, model latency {latency * 1000:.0f} ms, 3 steps a run")
+    print(
+        f"{'concurrency':>11} {'runs':>6} {'closed':>6} {'steps/s':>9} {'model/s':>9}"
+        f" {'ideal':>8} {'of_ideal':>8} {'vs_c1':>7} {'commits/step':>12}"
+    )
+    for row in rows:
+        print(
+            f"{row['concurrency']:>11} {row['runs']:>6} {row['closed']:>6}"
+            f" {row['steps_per_s']:>9.1f} {row['model_steps_per_s']:>9.1f}"
+            f" {row['ideal_model_steps_per_s']:>8.1f}"
+            f" {row['model_steps_per_s'] / row['ideal_model_steps_per_s']:>8.2f}"
+            f" {row['model_steps_per_s'] / base:>7.1f} {row['commits_per_step']:>12.2f}"
+        )
+    print(
+        "\nideal: concurrency / latency model answers a second. commits/step: the store's write"
+        "\ntransactions (claims, appends, renewals, releases, status changes) per step."
+    )
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -311,6 +406,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, help="runs per fleet size (300 quick, 1500 default)")
     parser.add_argument("--tools", type=int, default=1, help="tool steps per run (1)")
     parser.add_argument("--workers", default="1,2,4,8", help="fleet sizes, comma-separated")
+    parser.add_argument(
+        "--concurrency-table",
+        metavar="LEVELS",
+        help="one SQLite worker process at each concurrency, e.g. 1,16,64,256 (no PostgreSQL)",
+    )
+    parser.add_argument("--latency", type=float, default=0.1, help="model latency, s (0.1)")
+    parser.add_argument("--dir", help="where the SQLite files go (a temporary directory)")
     parser.add_argument("--role", choices=["worker", "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("role_args", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -319,6 +421,13 @@ def main() -> None:
         return
     if args.role == "baseline":
         baseline_process(args.role_args[0], int(args.role_args[1]))
+        return
+    if args.concurrency_table:
+        import tempfile
+
+        levels = [int(c) for c in args.concurrency_table.split(",")]
+        with tempfile.TemporaryDirectory(dir=args.dir) as folder:
+            concurrency_table(Path(folder), levels, args.latency, 2 if args.quick else 4)
         return
     runs = args.runs or (300 if args.quick else 1500)
     sizes = [int(w) for w in args.workers.split(",")]
