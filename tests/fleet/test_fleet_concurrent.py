@@ -39,14 +39,21 @@ def repeated_appends(logs: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
 
 
 async def drain_concurrently(
-    store: Checkpointer, fleet: Fleet, *, workers: int, concurrency: int, runs: int, kills: int
+    store: Checkpointer,
+    fleet: Fleet,
+    *,
+    workers: int,
+    concurrency: int,
+    runs: int,
+    kills: int,
+    delay: float = 0.05,
 ) -> Counter[str]:
     """``workers`` processes at ``concurrency`` drain ``runs`` runs; ``kills`` SIGKILLs mid-way."""
     import random
 
     rng = random.Random(seed())
     run_ids = await submit_runs(store, runs, "send")
-    options = ("--ttl", "2", "--delay", "0.05", "--concurrency", str(concurrency))
+    options = ("--ttl", "2", "--delay", str(delay), "--concurrency", str(concurrency))
     fleet.start(workers, *options)
     for _ in range(kills):
         # Kill once some runs are closed and others are surely in flight.
@@ -84,10 +91,13 @@ async def test_one_worker_at_concurrency_50_drains_200_runs_through_two_sigkills
 async def test_four_workers_at_concurrency_16_on_postgres_through_a_sigkill(
     pg_store: Checkpointer, pg_url: str, fleet_factory: Callable[[str], Fleet]
 ) -> None:
-    """4 processes x 16 runs at once on PostgreSQL drain 120 runs through a SIGKILL."""
+    """4 processes x 16 runs at once on PostgreSQL drain 200 runs through a SIGKILL.
+
+    Each send takes 0.3 s, so every worker holds runs when one is killed mid-way.
+    """
     fleet = fleet_factory(pg_url)
     statuses = await drain_concurrently(
-        pg_store, fleet, workers=4, concurrency=16, runs=120, kills=1
+        pg_store, fleet, workers=4, concurrency=16, runs=200, kills=1, delay=0.3
     )
     print(f"statuses {dict(statuses)}")
 
