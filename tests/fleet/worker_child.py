@@ -170,7 +170,7 @@ def tools(ledger: Ledger, delay: float) -> dict[str, Tool]:
     @tool(idempotent=True)
     async def spin(to: str) -> str:
         """Hold the event loop with CPU work for ``--delay`` / 200 s (a busy loop)."""
-        end = time.monotonic() + delay / 200
+        end = time.monotonic() + delay / 400
         while time.monotonic() < end:
             pass
         return f"spun {to}"
