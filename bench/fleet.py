@@ -3,6 +3,8 @@
     python bench/fleet.py --quick                  # 300 runs per fleet size (under a minute)
     python bench/fleet.py                          # 1500 runs per fleet size (under 5 minutes)
     python bench/fleet.py --dsn postgresql://...   # an existing server (its role needs CREATE)
+    python bench/fleet.py --concurrency-table 1,16,64,256   # one SQLite process, 100 ms model
+    python bench/fleet.py --quick --workers 1,2,4 --concurrency 64   # PostgreSQL, 100 ms model
 
 Without ``--dsn`` a throwaway PostgreSQL is started from the binaries of the
 ``pgserver`` package, in a temporary directory, with its default (durable)
@@ -89,7 +91,11 @@ def step(n: int) -> str:
 
 
 class Counted:
-    """The worker's store, counting its write transactions and timing its claims."""
+    """The worker's store, counting its write transactions and timing its claims.
+
+    A ``claim_many`` counts as one write (one transaction on a store that claims in one
+    round trip; the interim stubs loop ``claim`` inside it, so today's figure is low).
+    """
 
     def __init__(self, store: Any) -> None:
         self._store = store
@@ -98,25 +104,29 @@ class Counted:
 
     def __getattr__(self, name: str) -> Any:
         found = getattr(self._store, name)
-        if name not in WRITES:
+        if name not in (*WRITES, "claim_many"):
             return found
 
         async def counted(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             result = await found(*args, **kwargs)
             self.writes += 1
-            if name == "claim" and result is not None:
+            if name in ("claim", "claim_many") and result:
                 self.claims.append(time.perf_counter() - started)
             return result
 
         return counted
 
 
-async def worker_process(url: str, tools: int) -> None:
+async def worker_process(url: str, tools: int, concurrency: int = 1, latency: float = 0.0) -> None:
     """Connect, say ready, wait for go, drain, print what was done as JSON."""
     store = Counted(await open_store(url))
-    app = App(agents={"default": Agent(tools=[step])}, gateway=lambda: script(tools))
-    worker = Worker(store, app, poll=0.01)
+
+    def model() -> Any:
+        return _SlowModel(script(tools), latency) if latency else script(tools)
+
+    app = App(agents={"default": Agent(tools=[step])}, gateway=model)
+    worker = Worker(store, app, poll=0.01, concurrency=concurrency)
     await asyncio.to_thread(ready_then_wait)
     started = time.monotonic()
     await worker.run(until_idle=True, max_seconds=WORKER_SECONDS)
@@ -247,22 +257,26 @@ async def submit_all(dsn: str, runs: int) -> None:
         await store.close()
 
 
-def measure(admin_dsn: str, workers: int, runs: int, tools: int) -> Row:
+def measure(admin_dsn: str, workers: int, runs: int, tools: int, *drive: str) -> Row:
     """One fleet size in a schema of its own, dropped afterwards."""
     name = f"asiento_bench_w{workers}_{uuid.uuid4().hex[:8]}"
     dsn = new_schema(admin_dsn, name)
     try:
-        return measure_in(dsn, workers, runs, tools)
+        return measure_in(dsn, workers, runs, tools, *drive)
     finally:
         with psycopg.connect(admin_dsn, autocommit=True) as conn:
             conn.execute(f'DROP SCHEMA "{name}" CASCADE')
 
 
-def measure_in(dsn: str, workers: int, runs: int, tools: int) -> Row:
-    """The fleet draining ``runs`` runs, then the same number of commits, raw."""
+def measure_in(dsn: str, workers: int, runs: int, tools: int, *drive: str) -> Row:
+    """The fleet draining ``runs`` runs, then the same number of commits, raw.
+
+    ``drive``: the workers' concurrency and model latency, as strings (default 1 and 0).
+    """
     asyncio.run(submit_all(dsn, runs))
     reports = race(
-        [spawn("--role", "worker", as_url(dsn), str(tools)) for _ in range(workers)], 600
+        [spawn("--role", "worker", as_url(dsn), str(tools), *drive) for _ in range(workers)],
+        600,
     )
     closed = sum(r["closed"] for r in reports)
     if closed != runs:
@@ -301,6 +315,82 @@ def local_server() -> Iterator[str]:
         cluster.stop()
 
 
+# -- concurrency on one process (SQLite) ---------------------------------------------------
+
+
+class _SlowModel:
+    """A model that takes ``latency`` seconds per answer, as a remote one would."""
+
+    def __init__(self, inner: ScriptedGateway, latency: float) -> None:
+        self.inner, self.latency = inner, latency
+
+    async def complete(self, request: ModelRequest, *, idempotency_key: str) -> ModelResponse:
+        await asyncio.sleep(self.latency)
+        return await self.inner.complete(request, idempotency_key=idempotency_key)
+
+
+async def _one_sqlite_worker(
+    path: Path, runs: int, concurrency: int, latency: float
+) -> dict[str, Any]:
+    store = await open_store(str(path))
+    for n in range(runs):
+        await submit(store, f"run-{n:05d}", f"task {n}")
+
+    @tool
+    def step(n: int) -> str:
+        """A trivial tool."""
+        return f"step {n}"
+
+    counted = Counted(store)
+    app = App(
+        agents={"default": Agent(tools=[step])},
+        gateway=lambda: _SlowModel(script(1), latency),
+    )
+    worker = Worker(counted, app, poll=0.05, concurrency=concurrency)  # type: ignore[arg-type]
+    started = time.monotonic()
+    await worker.run(until_idle=True, max_seconds=WORKER_SECONDS)
+    seconds = time.monotonic() - started
+    await store.close()
+    steps = 3 * runs  # 2 model steps and 1 tool step a run
+    model_steps = 2 * runs
+    return {
+        "concurrency": concurrency,
+        "runs": runs,
+        "closed": worker.stats.closed,
+        "steps_per_s": steps / seconds,
+        "model_steps_per_s": model_steps / seconds,
+        "ideal_model_steps_per_s": concurrency / latency,
+        "commits_per_step": counted.writes / steps,
+    }
+
+
+def concurrency_table(folder: Path, levels: list[int], latency: float, runs_per_slot: int) -> None:
+    """One process on SQLite at each concurrency: steps/s against the ideal, commits a step."""
+    rows = []
+    for level in levels:
+        runs = max(8, level * runs_per_slot)
+        path = folder / f"concurrency-{level}.db"
+        rows.append(asyncio.run(_one_sqlite_worker(path, runs, level, latency)))
+    base = rows[0]["model_steps_per_s"]
+    print(f"\none worker process on SQLite, model latency {latency * 1000:.0f} ms, 3 steps a run")
+    print(
+        f"{'concurrency':>11} {'runs':>6} {'closed':>6} {'steps/s':>9} {'model/s':>9}"
+        f" {'ideal':>8} {'of_ideal':>8} {'vs_c1':>7} {'commits/step':>12}"
+    )
+    for row in rows:
+        print(
+            f"{row['concurrency']:>11} {row['runs']:>6} {row['closed']:>6}"
+            f" {row['steps_per_s']:>9.1f} {row['model_steps_per_s']:>9.1f}"
+            f" {row['ideal_model_steps_per_s']:>8.1f}"
+            f" {row['model_steps_per_s'] / row['ideal_model_steps_per_s']:>8.2f}"
+            f" {row['model_steps_per_s'] / base:>7.1f} {row['commits_per_step']:>12.2f}"
+        )
+    print(
+        "\nideal: concurrency / latency model answers a second. commits/step: the store's write"
+        "\ntransactions (claims, appends, renewals, releases, status changes) per step."
+    )
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -311,24 +401,64 @@ def main() -> None:
     parser.add_argument("--runs", type=int, help="runs per fleet size (300 quick, 1500 default)")
     parser.add_argument("--tools", type=int, default=1, help="tool steps per run (1)")
     parser.add_argument("--workers", default="1,2,4,8", help="fleet sizes, comma-separated")
+    parser.add_argument(
+        "--concurrency-table",
+        metavar="LEVELS",
+        help="one SQLite worker process at each concurrency, e.g. 1,16,64,256 (no PostgreSQL)",
+    )
+    parser.add_argument("--latency", type=float, help="model latency, s (0.1 with concurrency)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="PostgreSQL fleets: runs each worker drives at once (1: as before; >1 uses --latency)",
+    )
+    parser.add_argument("--dir", help="where the SQLite files go (a temporary directory)")
     parser.add_argument("--role", choices=["worker", "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("role_args", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "worker":
-        asyncio.run(worker_process(args.role_args[0], int(args.role_args[1])))
+        url, tools, *drive = args.role_args
+        concurrency, latency = (int(drive[0]), float(drive[1])) if drive else (1, 0.0)
+        asyncio.run(worker_process(url, int(tools), concurrency, latency))
         return
     if args.role == "baseline":
         baseline_process(args.role_args[0], int(args.role_args[1]))
         return
+    if args.concurrency_table:
+        import tempfile
+
+        levels = [int(c) for c in args.concurrency_table.split(",")]
+        with tempfile.TemporaryDirectory(dir=args.dir) as folder:
+            latency = 0.1 if args.latency is None else args.latency
+            concurrency_table(Path(folder), levels, latency, 2 if args.quick else 4)
+        return
     runs = args.runs or (300 if args.quick else 1500)
     sizes = [int(w) for w in args.workers.split(",")]
     started = time.monotonic()
+    driven = args.concurrency > 1 or args.latency is not None
+    if driven and args.latency is None:
+        args.latency = 0.1
+    drive = (str(args.concurrency), str(args.latency)) if driven else ()
     with server(args.dsn) as admin_dsn:
-        rows = [measure(admin_dsn, w, runs, args.tools) for w in sizes]
+        rows = [measure(admin_dsn, w, runs, args.tools, *drive) for w in sizes]
     cores = os.cpu_count()
     steps = 2 * args.tools + 1
     print(f"\nfleet on PostgreSQL: {runs} runs per fleet size, {steps} steps a run, {cores} cores")
     print_table(rows)
+    if drive:
+        print(
+            f"\nconcurrency {args.concurrency} a worker,"
+            f" model latency {args.latency * 1000:.0f} ms:"
+        )
+        for row in rows:
+            model_steps = row.runs * (args.tools + 1) / row.seconds
+            ideal = row.workers * args.concurrency / args.latency
+            print(
+                f"  {row.workers} workers: {model_steps:.1f} model answers/s of an ideal"
+                f" {ideal:.0f} ({model_steps / ideal:.2f}),"
+                f" {row.writes / row.steps:.2f} commits/step"
+            )
     print(
         "\ntime_ratio: the fleet's wall time over the raw baseline's (the same number of write"
         "\ntransactions, one INSERT each, by as many processes). Workers and the server share"

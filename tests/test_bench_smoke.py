@@ -41,3 +41,20 @@ def test_quick_bench_reports_two_commits_per_model_tool_step(tmp_path: Path) -> 
         for durability in ("full", "process"):
             row = _table_row(done.stdout, "vs_least_python", f"{floor}-{durability}")
             assert float(row["µs/step"]) > 0, done.stdout
+
+
+def test_fleet_concurrency_table_closes_every_run(tmp_path: Path) -> None:
+    """`bench/fleet.py --concurrency-table` drives every run to its end at each level."""
+    bench = BENCH.parent / "fleet.py"
+    options = ["--concurrency-table", "1,4", "--quick", "--latency", "0.01", "--dir", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, str(bench), *options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    for level, runs in (("1", "8"), ("4", "8")):
+        row = _table_row(done.stdout, "concurrency", level)
+        assert (row["runs"], row["closed"]) == (runs, runs), row

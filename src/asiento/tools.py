@@ -222,15 +222,26 @@ _QUICK_TOOL_SECONDS = 0.002
 class _ToolThreads:
     """The pool sync tools run on, started on first use (and again in a forked child,
     where the parent's threads do not exist). Its size is ``ThreadPoolExecutor``'s
-    default, as for the loop's default executor: min(32, CPUs + 4)."""
+    default, as for the loop's default executor: min(32, CPUs + 4), or more when a
+    worker drives more runs at once (``tool_threads_at_least``)."""
 
     def __init__(self) -> None:
         self.pool: ThreadPoolExecutor | None = None
+        self.size: int | None = None
 
     def get(self) -> ThreadPoolExecutor:
         if self.pool is None:
-            self.pool = ThreadPoolExecutor(thread_name_prefix="asiento-tool")
+            self.pool = ThreadPoolExecutor(self.size, thread_name_prefix="asiento-tool")
         return self.pool
+
+    def at_least(self, count: int) -> None:
+        default = min(32, (os.cpu_count() or 1) + 4)
+        if count <= max(default, self.size or 0):
+            return
+        self.size = count
+        if self.pool is not None:  # its threads finish what they run; new calls go to a bigger pool
+            self.pool.shutdown(wait=False)
+            self.pool = None
 
     def forget(self) -> None:
         self.pool = None
@@ -238,6 +249,12 @@ class _ToolThreads:
 
 _threads = _ToolThreads()
 os.register_at_fork(after_in_child=_threads.forget)
+
+
+def tool_threads_at_least(count: int) -> None:
+    """Let ``count`` sync tools run at once (a worker driving ``count`` runs): no run's
+    tool waits for a thread another run's slow tool holds."""
+    _threads.at_least(count)
 
 
 async def _in_thread(call: Callable[[], Any]) -> Any:

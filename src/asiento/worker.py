@@ -1,4 +1,4 @@
-"""Workers: claim submitted runs that need work and drive them, one lease at a time.
+"""Workers: claim submitted runs that need work and drive them, each under its own lease.
 
 Submit a run with ``submit(store, run_id, task, agent=...)``; any number of
 worker processes on any number of machines pointed at the same store drive
@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from . import shutdown
 from .agent import Agent
@@ -22,8 +23,11 @@ from .journal.base import Checkpointer
 from .lease import Holder
 from .model import Gateway
 from .session import Session
+from .tools import tool_threads_at_least
 
 log = logging.getLogger("asiento.worker")
+
+_T = TypeVar("_T")
 
 # How often a waiting claim looks for a shutdown request (seconds).
 _SHUTDOWN_POLL = 0.1
@@ -62,7 +66,7 @@ class WorkerStats:
     runs: list[str] = field(default_factory=list)
 
 
-async def _unless_stopping(claiming: Awaitable[Claim | None]) -> Claim | None:
+async def _unless_stopping(claiming: Awaitable[_T]) -> _T:
     """Await a claim, but give it up when a shutdown is requested meanwhile.
 
     A claim waits for a connection as long as the store's timeout (30 s on PostgreSQL)
@@ -81,12 +85,27 @@ async def _unless_stopping(claiming: Awaitable[Claim | None]) -> Claim | None:
 
 
 class Worker:
-    """Claims runs from ``store`` and drives them with ``app``'s agents."""
+    """Claims runs from ``store``; drives up to ``concurrency`` at once with ``app``'s agents.
 
-    def __init__(self, store: Checkpointer, app: App, *, poll: float = 0.5) -> None:
+    Each run claimed is driven in its own task under its own lease (its session renews
+    it); a run whose pass crashes is that run's business, not the others'. Sync tools
+    run on asiento's tool threads, sized to at least ``concurrency``.
+    """
+
+    def __init__(
+        self, store: Checkpointer, app: App, *, poll: float = 0.5, concurrency: int = 1
+    ) -> None:
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise UsageError(f"Worker(concurrency=...) must be an int >= 1, not {concurrency!r}")
+        if not poll > 0:
+            raise UsageError(f"Worker(poll=...) must be > 0 seconds, not {poll!r}")
         self.store, self.app, self.poll = store, app, poll
+        self.concurrency = concurrency
         self.holder = Holder.here()
         self.stats = WorkerStats()
+        self._in_flight: set[asyncio.Task[None]] = set()
+        self._stopped_by_shutdown = False
+        tool_threads_at_least(concurrency)
 
     async def run_once(self) -> bool:
         """Claim one run and drive it until it ends or needs a person; False if none needed work."""
@@ -95,21 +114,106 @@ class Worker:
         claim = await _unless_stopping(claiming)
         if claim is None:
             return False
-        self.stats.claimed += 1
-        self.stats.runs.append(claim.lease.run_id)
+        self._note(claim)
         await self._drive(claim)
         return True
 
     async def run(self, *, until_idle: bool = False, max_seconds: float | None = None) -> None:
-        """Work until a shutdown is requested (or, with ``until_idle``, no run needs work)."""
+        """Work until a shutdown is requested (or, with ``until_idle``, no run needs work).
+
+        On a shutdown request no new run is claimed; every run in flight finishes its
+        step, records it and releases its lease, then ``ShutdownRequested`` is raised.
+        At ``max_seconds`` the runs in flight are driven to their end first.
+        """
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
+        self._stopped_by_shutdown = False
+        try:
+            await self._claim_and_start(until_idle, deadline)
+        except asyncio.CancelledError:
+            await self._finish_in_flight(cancel=True)
+            raise
+        except BaseException:  # a claim failed or was cut short: the runs in flight go on
+            await self._finish_in_flight(cancel=False)
+            raise
+        await self._finish_in_flight(cancel=False)
+        if self._stopped_by_shutdown:
+            raise shutdown.ShutdownRequested("a shutdown was requested while runs were driven")
+
+    async def _claim_and_start(self, until_idle: bool, deadline: float | None) -> None:
+        app = self.app
         while not shutdown.requested():
             if deadline is not None and time.monotonic() > deadline:
                 return
-            if not await self.run_once():
-                if until_idle:
+            free = self.concurrency - len(self._in_flight)
+            if free <= 0:
+                await self._wait(None, deadline)
+                continue
+            claiming = self.store.claim_many(
+                self.holder, limit=free, ttl=app.lease_ttl, max_attempts=app.max_attempts
+            )
+            claims = await _unless_stopping(claiming)
+            for claim in claims[:free]:
+                self._note(claim)
+                task = asyncio.create_task(self._drive_apart(claim), name=claim.lease.run_id)
+                self._in_flight.add(task)
+            if len(claims) >= free:
+                continue
+            if until_idle and not self._in_flight and not claims:
+                return
+            idle = None if until_idle else self.store.wait_for_work(self.poll)
+            await self._wait(idle, deadline)
+
+    async def _wait(self, idle: Awaitable[None] | None, deadline: float | None) -> None:
+        """Until a slot frees, ``idle`` returns (wake-up or poll), a shutdown or the deadline."""
+        waiter = None if idle is None else asyncio.ensure_future(idle)
+        try:
+            while not shutdown.requested():
+                watched: set[asyncio.Future[None]] = set(self._in_flight)
+                if waiter is not None:
+                    watched.add(waiter)
+                if not watched:
                     return
-                await asyncio.sleep(self.poll)
+                done, _ = await asyncio.wait(
+                    watched, timeout=_SHUTDOWN_POLL, return_when=asyncio.FIRST_COMPLETED
+                )
+                self._reap()
+                if done or (deadline is not None and time.monotonic() > deadline):
+                    return
+        finally:
+            if waiter is not None and not waiter.done():
+                waiter.cancel()
+                await asyncio.wait({waiter})
+
+    async def _finish_in_flight(self, *, cancel: bool) -> None:
+        """Let every run in flight end (or, when the worker itself is cancelled, cancel them)."""
+        if cancel:
+            for task in self._in_flight:
+                task.cancel()
+        if self._in_flight:
+            await asyncio.wait(set(self._in_flight))
+        self._reap()
+
+    def _reap(self) -> None:
+        for task in [t for t in self._in_flight if t.done()]:
+            self._in_flight.discard(task)
+            if task.cancelled():
+                continue
+            if isinstance(task.exception(), shutdown.ShutdownRequested):
+                self._stopped_by_shutdown = True
+
+    async def _drive_apart(self, claim: Claim) -> None:
+        """Drive one run in its own task: what goes wrong there is logged, never spread."""
+        try:
+            await self._drive(claim)
+        except (shutdown.ShutdownRequested, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # recording the failure itself failed (the store is down)
+            log.error("run %r: the worker could not record its pass: %s", claim.lease.run_id, exc)
+            self.stats.failed += 1
+
+    def _note(self, claim: Claim) -> None:
+        self.stats.claimed += 1
+        self.stats.runs.append(claim.lease.run_id)
 
     async def _drive(self, claim: Claim) -> None:
         run_id = claim.lease.run_id

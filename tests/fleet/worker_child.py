@@ -1,6 +1,7 @@
 """Child processes of the fleet tests: workers, single sessions and racers on one store.
 
     python worker_child.py worker URL DIR [--ttl S] [--max-attempts N] [--delay S] [--seconds S]
+                                         [--concurrency N]
     python worker_child.py session URL DIR RUN_ID [--ttl S] [--wait S]
     python worker_child.py race URL DIR
 
@@ -16,6 +17,8 @@ each from the task (which the tests make unique per run):
 - ``race``: ``note()`` (idempotent), then ``send_held(to=task)``, which sends and then
   waits for DIR/release.TASK before it returns.
 - ``long``: ``long_send(to=task)``, a sync tool that sleeps ``--delay`` s, then sends.
+- ``busy``: ``spin`` (an async tool that holds the loop with CPU work for ``--delay`` / 200 s),
+  then ``long_send``.
 - ``gates``: three idempotent ``gate`` steps; gate N writes DIR/started.TASK.N and waits
   for DIR/go.TASK.N.
 
@@ -164,7 +167,15 @@ def tools(ledger: Ledger, delay: float) -> dict[str, Tool]:
         wait_for_file(folder / f"go.{to}")
         return f"passed {to}"
 
-    every = [send, pay, explode, gated_send, wait_go, note, send_held, long_send, gate]
+    @tool(idempotent=True)
+    async def spin(to: str) -> str:
+        """Hold the event loop with CPU work for ``--delay`` / 200 s (a busy loop)."""
+        end = time.monotonic() + delay / 400
+        while time.monotonic() < end:
+            pass
+        return f"spun {to}"
+
+    every = [send, pay, explode, gated_send, wait_go, note, send_held, long_send, gate, spin]
     return {t.name: t for t in every}
 
 
@@ -178,6 +189,7 @@ SCRIPTS: dict[str, list[str]] = {
     "race": ["note", "send_held"],
     "long": ["long_send"],
     "gates": ["gate", "gate", "gate"],
+    "busy": ["spin", "long_send"],
 }
 NO_ARGS = {"explode"}
 
@@ -223,6 +235,23 @@ class Observed:
             self._ledger.log("claim", run=lease.run_id, token=lease.token, n=claim.attempts)
         return claim
 
+    async def claim_many(
+        self, holder: Any, *, limit: int, ttl: float, max_attempts: int = 5
+    ) -> list[Any]:
+        claims = await self._store.claim_many(
+            holder, limit=limit, ttl=ttl, max_attempts=max_attempts
+        )
+        for claim in claims:
+            lease = claim.lease
+            self._ledger.log("claim", run=lease.run_id, token=lease.token, n=claim.attempts)
+        self._ledger.log("claim-many", limit=limit, got=len(claims))
+        return claims
+
+    async def renew(self, lease: Any, *, ttl: float) -> Any:
+        renewed = await self._store.renew(lease, ttl=ttl)
+        self._ledger.log("renew", run=lease.run_id, token=lease.token)
+        return renewed
+
     async def append(self, *events: Any, status: Any = None, lease: Any = None) -> None:
         keys = [[e.step_id, str(e.phase)] for e in events]
         try:
@@ -244,7 +273,7 @@ async def work(args: argparse.Namespace) -> int:
         lease_ttl=args.ttl,
         max_attempts=args.max_attempts,
     )
-    worker = Worker(store, app, poll=args.poll)
+    worker = Worker(store, app, poll=args.poll, concurrency=args.concurrency)
     ledger.log("ready")
     code = await supervise(worker, ledger, args.seconds)
     stats = worker.stats
@@ -327,6 +356,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     worker.add_argument("--poll", type=float, default=0.05)
     worker.add_argument("--delay", type=float, default=0.0)
     worker.add_argument("--seconds", type=float, default=120.0)
+    worker.add_argument("--concurrency", type=int, default=1)
     session.add_argument("run_id")
     session.add_argument("--ttl", type=float, default=30.0)
     session.add_argument("--wait", type=float, default=0.0)

@@ -535,11 +535,18 @@ def serve(
 )
 @click.option("--poll", default=0.5, show_default=True, type=float, help="Seconds between looks.")
 @click.option("--until-idle", is_flag=True, help="Stop when no run needs work.")
-def worker(store: str, target: str, poll: float, until_idle: bool) -> None:
+@click.option(
+    "--concurrency",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Runs driven at once, each under its own lease (sync tools get as many threads).",
+)
+def worker(store: str, target: str, poll: float, until_idle: bool, concurrency: int) -> None:
     """Claim submitted runs that need work and drive them with the app's agents.
 
-    SIGTERM or SIGINT lets the step in flight finish, then the worker stops with
-    exit status 75 and the run stays resumable by any worker.
+    SIGTERM or SIGINT lets every step in flight finish, then the worker releases
+    its leases and stops with exit status 75; the runs stay resumable by any worker.
     """
     from ..worker import App, Worker
 
@@ -558,7 +565,7 @@ def worker(store: str, target: str, poll: float, until_idle: bool) -> None:
         agents = ", ".join(sorted(app.agents))
         where = shown(store)
         click.echo(f"asiento worker: pid {os.getpid()} on {where}; agents: {agents}", err=True)
-        running = Worker(journal, app, poll=poll)
+        running = Worker(journal, app, poll=poll, concurrency=concurrency)
         with contextlib.suppress(shutdown.ShutdownRequested):  # the run stays resumable
             await running.run(until_idle=until_idle)
         return running

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 
@@ -11,6 +10,7 @@ from ..errors import DuplicateRecord, UsageError
 from ..events import Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
 from . import _rules as rules
+from ._wakeup import WakeUp
 from .base import (
     check_id,
     counts_of,
@@ -37,6 +37,7 @@ class MemoryCheckpointer:
     """In-process journal with the same semantics as the durable ones."""
 
     def __init__(self) -> None:
+        self._wakeup = WakeUp()
         self._rows: dict[str, list[_Row]] = {}
         self._keys: set[tuple[str, str, str]] = set()
         self._runs: dict[str, RunInfo] = {}
@@ -137,6 +138,7 @@ class MemoryCheckpointer:
             saved_cost=info.saved_cost + saved.cost,
             attempts=max(info.attempts - 1, 0) if clean else info.attempts,
         )
+        self._wakeup.ring()
 
     async def load(self, run_id: str) -> list[StepEvent]:
         return [decode_row(run_id, row) for row in self._rows.get(run_id, [])]
@@ -181,6 +183,7 @@ class MemoryCheckpointer:
             reason=reason or info.reason,
             attempts=rules.attempts_after(info.status, status, info.attempts),
         )
+        self._wakeup.ring()
         return True
 
     async def submit(self, run_id: str, task: str, *, agent: str = "default") -> None:
@@ -188,6 +191,7 @@ class MemoryCheckpointer:
         if run_id in self._runs:
             raise UsageError(f"run {run_id!r} already exists")
         self._runs[run_id] = dataclasses.replace(self._info(run_id), task=task, agent=agent)
+        self._wakeup.ring()
 
     async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
         now = time.time()
@@ -217,7 +221,7 @@ class MemoryCheckpointer:
         return claims
 
     async def wait_for_work(self, timeout: float) -> None:
-        await asyncio.sleep(timeout)
+        await self._wakeup.wait(timeout)
 
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
         return [r for r in self._runs.values() if status is None or r.status == status]

@@ -6,7 +6,6 @@ racing for the same record; there is no read-then-write check anywhere.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import shlex
@@ -40,6 +39,7 @@ from ._sqlite_capi import keep_wal_on_close, os_errno
 from ._sqlite_open import Progress, connect, identity, looks_like_a_journal, migrate, unwritable
 from ._sqlite_schema import SCHEMA_VERSION
 from ._sqlite_writer import GroupCommit, Outcome
+from ._wakeup import WakeUp
 from .base import (
     Row,
     check_id,
@@ -182,6 +182,7 @@ class SqliteCheckpointer:
         self.path = Path(path)
         self.durability = durability
         self.read_only = read_only
+        self._wakeup = WakeUp()
         self._timeout = timeout
         self._db = connect(self.path, timeout, read_only=read_only)
         self._writer = GroupCommit(self._commit_batch, self._commit_alone)
@@ -387,6 +388,7 @@ class SqliteCheckpointer:
                     lease.owner,
                 ),
             )
+        self._wakeup.ring()
 
     async def load(self, run_id: str) -> list[StepEvent]:
         sql = (
@@ -440,6 +442,7 @@ class SqliteCheckpointer:
             cur = self._db.execute(_SET_STATUS, params)
             if cur.rowcount == 0:
                 raise self._not_markable(run_id)
+        self._wakeup.ring()
         return True
 
     def _holds(self, run_id: str, step_id: str, phase: Phase) -> bool:
@@ -464,6 +467,7 @@ class SqliteCheckpointer:
                 )
             except sqlite3.IntegrityError:
                 raise UsageError(f"run {run_id!r} already exists in {self.path}") from None
+        self._wakeup.ring()
 
     async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
         with self._errors(), self._transaction():
@@ -499,7 +503,7 @@ class SqliteCheckpointer:
         return claims
 
     async def wait_for_work(self, timeout: float) -> None:
-        await asyncio.sleep(timeout)
+        await self._wakeup.wait(timeout)  # this object's writes ring; others' wait the poll
 
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
         sql = f"SELECT {_RUN_COLUMNS} FROM runs"
