@@ -218,6 +218,44 @@ ORDER BY updated_at, run_id COLLATE "C" LIMIT 1
 FOR UPDATE SKIP LOCKED
 """
 
+# Up to ``limit`` claimable runs, oldest first, in one statement: those claimed
+# ``max_attempts`` times are parked (the reason recorded), the others leased and counted.
+CLAIM_MANY = f"""
+WITH picked AS (
+    SELECT run_id FROM runs
+    WHERE {rules.claimable(NOW)}
+    ORDER BY updated_at, run_id COLLATE "C" LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), parked AS (
+    UPDATE runs SET {rules.status_write("'parked'")}, updated_at = {NOW},
+        reason = {rules.parked_reason_sql()}
+    FROM picked WHERE runs.run_id = picked.run_id AND {rules.parks_sql("%(max_attempts)s")}
+    RETURNING runs.run_id
+), taken AS (
+    UPDATE runs SET lease_owner = %(owner)s, lease_host = %(host)s, lease_pid = %(pid)s,
+        lease_started = %(started)s, lease_expires = {NOW} + %(ttl)s, lease_ttl = %(ttl)s,
+        fence = fence + 1, attempts = attempts + 1
+    FROM picked WHERE runs.run_id = picked.run_id AND NOT {rules.parks_sql("%(max_attempts)s")}
+    RETURNING runs.run_id, task, agent, attempts, fence, lease_expires, updated_at
+)
+SELECT p.parked, t.run_id, t.task, t.agent, t.attempts, t.fence, t.lease_expires
+FROM (SELECT count(*) AS parked FROM parked) AS p LEFT JOIN taken AS t ON true
+ORDER BY t.updated_at, t.run_id COLLATE "C"
+"""
+
+# Every run this holder holds a live lease on (the read-back of a cut-off claim_many).
+HELD_ALL = f"""
+SELECT run_id, task, agent, attempts, fence, {NOW} FROM runs
+WHERE lease_owner = %s AND lease_expires >= {NOW} AND status = 'running' AND task IS NOT NULL
+ORDER BY updated_at, run_id COLLATE "C"
+FOR UPDATE
+"""
+
+# The channel that wakes waiting workers: a run may have become claimable.
+WORK_CHANNEL = "asiento_work"
+NOTIFY_WORK = f"NOTIFY {WORK_CHANNEL}"
+LISTEN_WORK = f"LISTEN {WORK_CHANNEL}"
+
 # A run this holder already claimed: a claim whose COMMIT was cut off may have landed.
 HELD_BY = f"""
 SELECT run_id, task, agent, attempts, fence, {NOW} FROM runs

@@ -51,10 +51,14 @@ def parks(attempts: int, max_attempts: int) -> bool:
     return attempts >= max_attempts
 
 
+_PARKED_AFTER, _PARKED_CLAIMS = "parked after ", " claims without reaching a stable state"
+_LAST_FAILURE, _NO_WORD = "; last failure: ", " (its workers died without a word)"
+
+
 def parked_reason(attempts: int, last: str | None) -> str:
     """What the index says of a parked run."""
-    why = f"; last failure: {last}" if last else " (its workers died without a word)"
-    return f"parked after {attempts} claims without reaching a stable state{why}"
+    why = f"{_LAST_FAILURE}{last}" if last else _NO_WORD
+    return f"{_PARKED_AFTER}{attempts}{_PARKED_CLAIMS}{why}"
 
 
 # -- as SQL (SQLite and PostgreSQL) --------------------------------------------------
@@ -76,6 +80,19 @@ def claimable(now: str) -> str:
     return (
         "status = 'running' AND task IS NOT NULL"
         f" AND (lease_owner IS NULL OR lease_expires < {now})"
+    )
+
+
+def parks_sql(max_attempts: str) -> str:
+    """``parks`` as SQL on the row's ``attempts``, ``max_attempts`` an SQL expression."""
+    return f"attempts >= {max_attempts}"
+
+
+def parked_reason_sql() -> str:
+    """``parked_reason`` as SQL on the row's ``attempts`` and ``reason`` (the same text)."""
+    return (
+        f"'{_PARKED_AFTER}' || attempts || '{_PARKED_CLAIMS}' || CASE WHEN coalesce(reason, '')"
+        f" = '' THEN '{_NO_WORD}' ELSE '{_LAST_FAILURE}' || reason END"
     )
 
 

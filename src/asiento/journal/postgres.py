@@ -77,6 +77,9 @@ Landed = Callable[[], Awaitable[bool]]
 # How many runs one claim may park before it gives up for this call.
 _MAX_PARKED_PER_CLAIM = 100
 
+# The phases of a person's decision: appending one may make a waiting run claimable.
+_DECISIONS = frozenset({Phase.APPROVAL.value, Phase.RESOLUTION.value})
+
 # Connections say who they are in pg_stat_activity, unless the DSN names them.
 _CONNECT: dict[str, Any] = {"autocommit": True, "fallback_application_name": "asiento"}
 _CONNECT_TIMEOUT = 10
@@ -143,6 +146,9 @@ class PostgresCheckpointer:
         self._opening: asyncio.Lock | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._handed: set[tuple[str, int]] = set()  # (run, fence) claim_many handed out
+        self._listener: asyncio.Task[None] | None = None
+        self._notified: asyncio.Event | None = None
 
     def __repr__(self) -> str:
         return f"PostgresCheckpointer({self.where!r})"
@@ -181,6 +187,11 @@ class PostgresCheckpointer:
 
     async def close(self) -> None:
         self._closed = True
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.close()
@@ -216,6 +227,8 @@ class PostgresCheckpointer:
         for run_id, step_id, phase, *_ in rows:
             if (step_id, phase) not in written:
                 raise DuplicateRecord(run_id, step_id, phase)
+        if any(phase in _DECISIONS for _, _, phase, *_ in rows):
+            await conn.execute(sql.NOTIFY_WORK)  # a person's decision: the run may go on
         crash_point("inside_commit")
 
     async def _recorded(self, row: Row) -> bool:
@@ -268,6 +281,9 @@ class PostgresCheckpointer:
 
         async def give_up(conn: Conn) -> None:
             await conn.execute(sql.RELEASE, (*args, lease.owner))
+            await conn.execute(sql.NOTIFY_WORK)  # delivered at COMMIT, like the release
+
+        self._handed.discard((lease.run_id, lease.token))
 
         await self._idempotent(give_up)
 
@@ -315,6 +331,8 @@ class PostgresCheckpointer:
                 raise run_closed(run_id)
             params = {"status": value, "reason": reason, "run_id": run_id}
             await conn.execute(sql.SET_STATUS, params)
+            if value == RunStatus.RUNNING:
+                await conn.execute(sql.NOTIFY_WORK)
             return True
 
         return await self._idempotent(mark)
@@ -328,6 +346,7 @@ class PostgresCheckpointer:
             cur = await conn.execute(sql.SUBMIT, (run_id, task, agent))
             if await cur.fetchone() is None:
                 raise UsageError(f"run {run_id!r} already exists in {self.where}")
+            await conn.execute(sql.NOTIFY_WORK)
 
         async def landed() -> bool:
             query = "SELECT task, agent FROM runs WHERE run_id = %s"
@@ -367,16 +386,77 @@ class PostgresCheckpointer:
     async def claim_many(
         self, holder: Holder, *, limit: int, ttl: float, max_attempts: int = 5
     ) -> list[Claim]:
+        """Up to ``limit`` runs in one statement (``CLAIM_MANY``): picked oldest first with
+        SKIP LOCKED, the over-claimed parked and the rest leased in the same statement."""
+        params: dict[str, Any] = {"limit": limit, "ttl": ttl, "max_attempts": max_attempts}
+        params |= {"owner": holder.owner, "host": holder.host, "pid": holder.pid}
+        params["started"] = holder.started
+
+        async def take(conn: Conn, *, unsure: bool) -> list[Claim]:
+            claims = await self._held_unknown(conn, holder, ttl, limit) if unsure else []
+            parked = 0
+            while len(claims) < limit and parked < _MAX_PARKED_PER_CLAIM:
+                want = params | {"limit": limit - len(claims)}
+                rows = await (await conn.execute(sql.CLAIM_MANY, want)).fetchall()
+                for _, run_id, task, agent, attempts, fence, expires in rows:
+                    if run_id is None:
+                        continue  # nothing leased: the row only counts the parked runs
+                    lease = Lease(run_id=run_id, token=fence, owner=holder.owner, expires=expires)
+                    claims.append(Claim(lease=lease, task=task, agent=agent, attempts=attempts))
+                newly = int(rows[0][0])
+                if not newly:
+                    break  # the queue is empty, or only parked runs stood in the way
+                parked += newly
+            return claims
+
+        # A redo after a lost COMMIT first takes back what that COMMIT leased, if it landed.
+        claims = await self._idempotent(
+            partial(take, unsure=False), after_unknown=partial(take, unsure=True)
+        )
+        self._handed.update((claim.lease.run_id, claim.lease.token) for claim in claims)
+        return claims
+
+    async def _held_unknown(
+        self, conn: Conn, holder: Holder, ttl: float, limit: int
+    ) -> list[Claim]:
+        """Runs ``holder`` holds that this store never handed out: a cut-off claim's."""
+        rows = await (await conn.execute(sql.HELD_ALL, (holder.owner,))).fetchall()
         claims: list[Claim] = []
-        while len(claims) < limit:
-            claim = await self.claim(holder, ttl=ttl, max_attempts=max_attempts)
-            if claim is None:
-                break
-            claims.append(claim)
+        for run_id, task, agent, attempts, fence, now in rows:
+            if (run_id, fence) in self._handed or len(claims) >= limit:
+                continue
+            await conn.execute(sql.EXTEND_LEASE, (now + ttl, ttl, run_id, fence))
+            lease = Lease(run_id=run_id, token=fence, owner=holder.owner, expires=now + ttl)
+            claims.append(Claim(lease=lease, task=task, agent=agent, attempts=attempts))
         return claims
 
     async def wait_for_work(self, timeout: float) -> None:
-        await asyncio.sleep(timeout)
+        """Until a ``NOTIFY asiento_work`` (a submit, a release, a run set running, a
+        decision) or ``timeout``. A dedicated connection listens, opened at the first wait;
+        a fresh one returns at once (it may have missed a notification). If it is lost,
+        this wait sleeps out ``timeout`` and the next one reconnects: never an error."""
+        if self._listener is None or self._listener.done():
+            self._listener = asyncio.create_task(self._listen(), name=f"listen {self.where}")
+        event = self._notified = self._notified or asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), max(0.0, timeout))
+        event.clear()
+
+    async def _listen(self) -> None:
+        """Keep a LISTEN connection and set ``_notified`` for each notification, until lost."""
+        event = self._notified = self._notified or asyncio.Event()
+        try:
+            conn = await AsyncConnection.connect(self.dsn, **self._connect)
+        except (psycopg.Error, OSError):
+            return  # waits sleep their timeout; the next one tries again
+        try:
+            async with conn:
+                await conn.execute(sql.LISTEN_WORK)
+                event.set()  # anything submitted before this LISTEN was not heard
+                async for _ in conn.notifies():
+                    event.set()
+        except (psycopg.Error, OSError):
+            return
 
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
         if status is None:

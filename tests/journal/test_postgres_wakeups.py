@@ -1,0 +1,241 @@
+"""PostgreSQL at fleet scale: claims of many runs in one transaction, and wake-ups
+(LISTEN / NOTIFY on ``asiento_work``) instead of polling."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+
+from asiento import Holder, Phase, RunStatus
+from asiento.journal import _rules as rules
+from asiento.journal.postgres import PostgresCheckpointer
+
+from .pg_server import host_and_port
+from .test_postgres import admin, app_name, ev, rows, terminate
+
+__all__ = ["admin"]  # the fixture, shared with test_postgres
+
+# A wait that a notification ends is far shorter than this bound; a poll of 30 s is not.
+WOKEN_WITHIN = 10.0
+
+
+class CommitCounter:
+    """A TCP proxy to the server that counts the COMMITs its clients send."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.commits = 0
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, port = self.upstream
+        if host.startswith("/"):
+            up_reader, up_writer = await asyncio.open_unix_connection(f"{host}/.s.PGSQL.{port}")
+        else:
+            up_reader, up_writer = await asyncio.open_connection(host, port)
+        back = asyncio.create_task(self._pump(up_reader, writer))
+        try:
+            while data := await reader.read(65536):
+                self.commits += data.count(b"COMMIT")
+                up_writer.write(data)
+                await up_writer.drain()
+        finally:
+            back.cancel()
+            for w in (writer, up_writer):
+                w.close()
+
+    @staticmethod
+    async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        while data := await source.read(65536):
+            sink.write(data)
+            await sink.drain()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def unprepared(store: PostgresCheckpointer) -> PostgresCheckpointer:
+    """The store with psycopg's prepared statements off, so that every COMMIT it sends
+    says COMMIT on the wire (a prepared one is sent by name)."""
+    store._connect["prepare_threshold"] = None
+    return store
+
+
+@pytest.fixture
+async def counted(pg_dsn: str) -> AsyncIterator[tuple[PostgresCheckpointer, CommitCounter]]:
+    """A store whose connections go through a proxy that counts their COMMITs."""
+    counter = CommitCounter(host_and_port(pg_dsn))
+    port = await counter.start()
+    proxied = make_conninfo(pg_dsn, host="127.0.0.1", port=port, sslmode="disable")
+    try:
+        async with unprepared(PostgresCheckpointer(proxied, max_size=2)) as store:
+            yield store, counter
+    finally:
+        await counter.close()
+
+
+async def test_claim_many_takes_the_oldest_up_to_the_limit_in_one_transaction(
+    counted: tuple[PostgresCheckpointer, CommitCounter],
+) -> None:
+    store, counter = counted
+    for n in range(5):
+        await store.submit(f"run-{n}", f"task {n}")
+    holder = Holder.here()
+    before = counter.commits
+    claims = await store.claim_many(holder, limit=3, ttl=60)
+    assert counter.commits - before == 1  # the loop of claims made one transaction a run
+    assert [c.lease.run_id for c in claims] == ["run-0", "run-1", "run-2"]
+    first = claims[0]
+    assert (first.lease.token, first.attempts, first.task) == (1, 1, "task 0")
+    runs = {r.run_id: (r.lease_owner, r.fence, r.attempts) for r in await store.runs()}
+    assert runs["run-2"] == (holder.owner, 1, 1)
+    assert runs["run-3"] == (None, 0, 0)
+    rest = await store.claim_many(holder, limit=10, ttl=60)
+    assert [c.lease.run_id for c in rest] == ["run-3", "run-4"]
+    await store.append(ev("m1", run_id="run-4"), lease=rest[1].lease)  # the leases work
+
+
+async def test_claim_many_parks_the_over_claimed_as_claim_does(
+    counted: tuple[PostgresCheckpointer, CommitCounter], admin: psycopg.AsyncConnection[Any]
+) -> None:
+    store, counter = counted
+    for run_id in ("worn", "mute", "fresh"):
+        await store.submit(run_id, "task")
+    await admin.execute("UPDATE runs SET attempts = 5, reason = 'boom' WHERE run_id = 'worn'")
+    await admin.execute("UPDATE runs SET attempts = 7 WHERE run_id = 'mute'")
+    before = counter.commits
+    claims = await store.claim_many(Holder.here(), limit=3, ttl=60, max_attempts=5)
+    assert counter.commits - before == 1
+    assert [c.lease.run_id for c in claims] == ["fresh"]
+    found = await rows(admin, "SELECT run_id, status, reason FROM runs ORDER BY run_id")
+    assert found == [
+        ("fresh", "running", None),
+        ("mute", "parked", rules.parked_reason(7, None)),
+        ("worn", "parked", rules.parked_reason(5, "boom")),
+    ]
+
+
+async def test_two_claim_many_at_once_never_take_the_same_run(pg_dsn: str) -> None:
+    counter = CommitCounter(host_and_port(pg_dsn))
+    port = await counter.start()
+    proxied = make_conninfo(pg_dsn, host="127.0.0.1", port=port, sslmode="disable")
+    try:
+        async with (
+            unprepared(PostgresCheckpointer(proxied, max_size=1)) as one,
+            unprepared(PostgresCheckpointer(proxied, max_size=1)) as two,
+        ):
+            for n in range(40):
+                await one.submit(f"run-{n:02}", "task")
+            before = counter.commits
+            a, b = await asyncio.gather(
+                one.claim_many(Holder.here(), limit=25, ttl=60),
+                two.claim_many(Holder.here(), limit=25, ttl=60),
+            )
+            assert counter.commits - before == 2
+            taken_a = {c.lease.run_id for c in a}
+            taken_b = {c.lease.run_id for c in b}
+            assert not taken_a & taken_b
+            assert len(a) + len(b) == 40
+    finally:
+        await counter.close()
+
+
+# -- wake-ups -------------------------------------------------------------------------------
+
+
+async def listener_pids(admin: psycopg.AsyncConnection[Any], dsn: str) -> list[int]:
+    query = (
+        "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+        " AND query = 'LISTEN asiento_work'"
+    )
+    return [pid for (pid,) in await rows(admin, query, app_name(dsn))]
+
+
+async def listening(store: PostgresCheckpointer) -> None:
+    """The store's first wait: it connects, LISTENs, and returns at once (it may have
+    missed a notification while it was not listening)."""
+    await asyncio.wait_for(store.wait_for_work(30), WOKEN_WITHIN)
+
+
+async def woken_by(store: PostgresCheckpointer, act: Callable[[], Awaitable[object]]) -> None:
+    """``store`` waits (30 s at most); ``act`` (by another store) wakes it long before."""
+    waiting = asyncio.create_task(store.wait_for_work(30))
+    await asyncio.sleep(0.2)
+    assert not waiting.done()  # nothing has been notified yet
+    await act()
+    await asyncio.wait_for(waiting, WOKEN_WITHIN)
+
+
+@pytest.fixture
+async def two(pg_dsn: str) -> AsyncIterator[tuple[PostgresCheckpointer, PostgresCheckpointer]]:
+    """A waiting store and another store that writes, as two workers would have."""
+    async with (
+        PostgresCheckpointer(pg_dsn, max_size=1) as waiter,
+        PostgresCheckpointer(pg_dsn, max_size=1) as other,
+    ):
+        yield waiter, other
+
+
+async def test_a_submit_by_another_store_wakes_a_waiting_worker(
+    two: tuple[PostgresCheckpointer, PostgresCheckpointer],
+) -> None:
+    waiter, other = two
+    await listening(waiter)
+    await woken_by(waiter, lambda: other.submit("run-1", "task"))
+
+
+async def test_a_release_wakes_a_waiting_worker(
+    two: tuple[PostgresCheckpointer, PostgresCheckpointer],
+) -> None:
+    waiter, other = two
+    await other.submit("run-1", "task")
+    [claim] = await other.claim_many(Holder.here(), limit=1, ttl=60)
+    await listening(waiter)
+    await woken_by(waiter, lambda: other.release(claim.lease))
+
+
+async def test_an_approval_wakes_a_waiting_worker(
+    two: tuple[PostgresCheckpointer, PostgresCheckpointer],
+) -> None:
+    waiter, other = two
+    await other.append(ev("m1.t1", Phase.INTENT), status=RunStatus.SUSPENDED)
+    await listening(waiter)
+    await woken_by(waiter, lambda: other.append(ev("m1.t1", Phase.APPROVAL)))
+
+
+async def test_a_run_set_running_wakes_a_waiting_worker(
+    two: tuple[PostgresCheckpointer, PostgresCheckpointer],
+) -> None:
+    waiter, other = two
+    await other.submit("run-1", "task")
+    await other.set_status("run-1", RunStatus.PARKED, reason="test")
+    await listening(waiter)
+    await woken_by(waiter, lambda: other.set_status("run-1", RunStatus.RUNNING))
+
+
+async def test_a_lost_listener_falls_back_to_the_poll_and_listens_again(
+    two: tuple[PostgresCheckpointer, PostgresCheckpointer], admin: psycopg.AsyncConnection[Any]
+) -> None:
+    waiter, other = two
+    await listening(waiter)
+    [old] = await listener_pids(admin, waiter.dsn)
+    await terminate(admin, old)
+    await asyncio.wait_for(waiter.wait_for_work(0.5), WOKEN_WITHIN)  # no error: a poll
+    for _ in range(50):  # the next waits reconnect
+        await asyncio.wait_for(waiter.wait_for_work(0.2), WOKEN_WITHIN)
+        if [pid for pid in await listener_pids(admin, waiter.dsn) if pid != old]:
+            break
+    else:
+        pytest.fail("the store never listened again")
+    await waiter.wait_for_work(0)  # forget the fresh connection's own wake-up
+    await woken_by(waiter, lambda: other.submit("run-2", "task"))
