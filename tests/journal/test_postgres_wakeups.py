@@ -16,7 +16,7 @@ from asiento.journal import _rules as rules
 from asiento.journal.postgres import PostgresCheckpointer
 
 from .pg_server import host_and_port
-from .test_postgres import admin, app_name, ev, rows, terminate
+from .test_postgres import CommitCutter, admin, app_name, ev, rows, terminate
 
 __all__ = ["admin"]  # the fixture, shared with test_postgres
 
@@ -239,3 +239,30 @@ async def test_a_lost_listener_falls_back_to_the_poll_and_listens_again(
         pytest.fail("the store never listened again")
     await waiter.wait_for_work(0)  # forget the fresh connection's own wake-up
     await woken_by(waiter, lambda: other.submit("run-2", "task"))
+
+
+async def test_claim_many_whose_commit_was_cut_off_returns_what_landed(pg_dsn: str) -> None:
+    """A claim_many that landed unseen returns the runs it leased, not a run already in
+    flight under the same holder, and leases nothing more to strand."""
+    cutter = CommitCutter(host_and_port(pg_dsn))
+    port = await cutter.start()
+    proxied = make_conninfo(pg_dsn, host="127.0.0.1", port=port, sslmode="disable")
+    holder = Holder.here()
+    try:
+        async with unprepared(PostgresCheckpointer(proxied, max_size=2)) as store:
+            for run_id in ("a", "b", "c", "d"):
+                await store.submit(run_id, f"task {run_id}")
+            [in_flight] = await store.claim_many(holder, limit=1, ttl=60)
+            assert in_flight.lease.run_id == "a"
+            cutter.armed = True
+            claims = await asyncio.wait_for(store.claim_many(holder, limit=2, ttl=60), 20)
+            assert cutter.cut == 1
+            assert [(c.lease.run_id, c.lease.token, c.attempts) for c in claims] == [
+                ("b", 1, 1),
+                ("c", 1, 1),
+            ]
+            leased = {r.run_id: (r.lease_owner, r.fence) for r in await store.runs()}
+            assert leased["d"] == (None, 0)
+            await store.append(ev("m1", run_id="c"), lease=claims[1].lease)  # the lease works
+    finally:
+        await cutter.close()
