@@ -435,6 +435,9 @@ class PostgresCheckpointer:
         decision) or ``timeout``. A dedicated connection listens, opened at the first wait;
         a fresh one returns at once (it may have missed a notification). If it is lost,
         this wait sleeps out ``timeout`` and the next one reconnects: never an error."""
+        if self._closed:
+            await asyncio.sleep(max(0.0, timeout))  # a closed store opens nothing again
+            return
         if self._listener is None or self._listener.done():
             self._listener = asyncio.create_task(self._listen(), name=f"listen {self.where}")
         event = self._notified = self._notified or asyncio.Event()
@@ -447,15 +450,12 @@ class PostgresCheckpointer:
         event = self._notified = self._notified or asyncio.Event()
         try:
             conn = await AsyncConnection.connect(self.dsn, **self._connect)
-        except (psycopg.Error, OSError):
-            return  # waits sleep their timeout; the next one tries again
-        try:
             async with conn:
                 await conn.execute(sql.LISTEN_WORK)
                 event.set()  # anything submitted before this LISTEN was not heard
                 async for _ in conn.notifies():
                     event.set()
-        except (psycopg.Error, OSError):
+        except Exception:  # lost or refused: waits sleep their timeout, the next reconnects
             return
 
     async def runs(self, *, status: RunStatus | None = None) -> list[RunInfo]:
