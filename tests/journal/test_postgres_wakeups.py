@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -11,9 +12,10 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from asiento import Holder, Phase, RunStatus
+from asiento import Agent, App, Holder, ModelResponse, Phase, RunStatus, Worker
 from asiento.journal import _rules as rules
 from asiento.journal.postgres import PostgresCheckpointer
+from asiento.testing import ScriptedGateway
 
 from .pg_server import host_and_port
 from .test_postgres import CommitCutter, admin, app_name, ev, rows, terminate
@@ -239,6 +241,37 @@ async def test_a_lost_listener_falls_back_to_the_poll_and_listens_again(
         pytest.fail("the store never listened again")
     await waiter.wait_for_work(0)  # forget the fresh connection's own wake-up
     await woken_by(waiter, lambda: other.submit("run-2", "task"))
+
+
+async def test_an_idle_worker_starts_a_run_submitted_elsewhere_long_before_its_poll(
+    pg_dsn: str, admin: psycopg.AsyncConnection[Any]
+) -> None:
+    """A worker polling every 30 s drives a run another store submits at once: woken."""
+    gateway = ScriptedGateway([ModelResponse(text="done")])
+    async with (
+        PostgresCheckpointer(pg_dsn, max_size=2) as mine,
+        PostgresCheckpointer(pg_dsn, max_size=1) as other,
+    ):
+        worker = Worker(mine, App(agents={"default": Agent()}, gateway=gateway), poll=30)
+        working = asyncio.create_task(worker.run())
+        try:
+            for _ in range(100):  # until it listens (5 s at most)
+                if await listener_pids(admin, mine.dsn):
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.3)  # it claims once more after listening, finds nothing
+            await other.submit("run-1", "task")
+            for _ in range(200):  # 10 s at most, a third of the poll
+                run = await other.run("run-1")
+                if run is not None and run.status is RunStatus.CLOSED:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail("the worker did not start the run before its poll")
+        finally:
+            working.cancel()
+            with contextlib.suppress(BaseException):
+                await working
 
 
 async def test_claim_many_whose_commit_was_cut_off_returns_what_landed(pg_dsn: str) -> None:
