@@ -210,16 +210,9 @@ ON CONFLICT (run_id) DO NOTHING
 RETURNING run_id
 """
 
-# SKIP LOCKED: many workers claim different runs without waiting for each other.
-CLAIMABLE = f"""
-SELECT run_id, task, agent, attempts, reason, fence, {NOW} FROM runs
-WHERE {rules.claimable(NOW)}
-ORDER BY updated_at, run_id COLLATE "C" LIMIT 1
-FOR UPDATE SKIP LOCKED
-"""
-
 # Up to ``limit`` claimable runs, oldest first, in one statement: those claimed
 # ``max_attempts`` times are parked (the reason recorded), the others leased and counted.
+# SKIP LOCKED: many workers claim different runs without waiting for each other.
 CLAIM_MANY = f"""
 WITH picked AS (
     SELECT run_id FROM runs
@@ -256,17 +249,7 @@ WORK_CHANNEL = "asiento_work"
 NOTIFY_WORK = f"NOTIFY {WORK_CHANNEL}"
 LISTEN_WORK = f"LISTEN {WORK_CHANNEL}"
 
-# A run this holder already claimed: a claim whose COMMIT was cut off may have landed.
-HELD_BY = f"""
-SELECT run_id, task, agent, attempts, fence, {NOW} FROM runs
-WHERE lease_owner = %s AND lease_expires >= {NOW} AND status = 'running' AND task IS NOT NULL
-LIMIT 1
-FOR UPDATE
-"""
-
 EXTEND_LEASE = "UPDATE runs SET lease_expires = %s, lease_ttl = %s WHERE run_id = %s AND fence = %s"
-
-COUNT_CLAIM = "UPDATE runs SET attempts = attempts + 1 WHERE run_id = %s"
 
 SELECT_RUNS = """
 SELECT run_id, status, events, created_at, updated_at, lease_owner, lease_expires, fence,

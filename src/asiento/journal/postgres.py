@@ -54,7 +54,6 @@ from ..errors import (
 from ..events import Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
 from . import _postgres_schema as sql
-from . import _rules as rules
 from ._backfill import CACHE_RECORDS, MIGRATION_ADVICE, CacheTotals
 from .base import (
     Row,
@@ -355,33 +354,8 @@ class PostgresCheckpointer:
         await self._exactly_once(insert, landed)
 
     async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
-        async def take(conn: Conn, *, unsure: bool) -> Claim | None:
-            if unsure and (mine := await _held_by(conn, holder, ttl)) is not None:
-                return mine  # the claim whose COMMIT was cut off had landed
-            for _ in range(_MAX_PARKED_PER_CLAIM):
-                cur = await conn.execute(sql.CLAIMABLE)
-                row = await cur.fetchone()
-                if row is None:
-                    return None
-                run_id, task, agent, attempts, reason, fence, now = row
-                if rules.parks(attempts, max_attempts):
-                    why = rules.parked_reason(attempts, reason)
-                    await conn.execute(
-                        sql.SET_STATUS, {"status": "parked", "reason": why, "run_id": run_id}
-                    )
-                    continue
-                values = (holder.owner, holder.host, holder.pid, holder.started, now + ttl, ttl)
-                await conn.execute(sql.TAKE_LEASE, (*values, fence + 1, run_id))
-                await conn.execute(sql.COUNT_CLAIM, (run_id,))
-                lease = Lease(run_id=run_id, token=fence + 1, owner=holder.owner, expires=now + ttl)
-                return Claim(lease=lease, task=task, agent=agent, attempts=attempts + 1)
-            return None
-
-        # Redone blindly after a lost COMMIT, a claim would lease a second run and strand
-        # the first one until its lease expired: the redo first looks for that one.
-        return await self._idempotent(
-            partial(take, unsure=False), after_unknown=partial(take, unsure=True)
-        )
+        claims = await self.claim_many(holder, limit=1, ttl=ttl, max_attempts=max_attempts)
+        return claims[0] if claims else None
 
     async def claim_many(
         self, holder: Holder, *, limit: int, ttl: float, max_attempts: int = 5
@@ -667,18 +641,6 @@ async def _check_lease(conn: Conn, lease: Lease) -> float:
     if row is None:
         raise lease_lost(lease)
     return float(row[0])
-
-
-async def _held_by(conn: Conn, holder: Holder, ttl: float) -> Claim | None:
-    """The run ``holder`` holds a live lease on, its lease extended; None if there is none."""
-    cur = await conn.execute(sql.HELD_BY, (holder.owner,))
-    row = await cur.fetchone()
-    if row is None:
-        return None
-    run_id, task, agent, attempts, fence, now = row
-    await conn.execute(sql.EXTEND_LEASE, (now + ttl, ttl, run_id, fence))
-    lease = Lease(run_id=run_id, token=fence, owner=holder.owner, expires=now + ttl)
-    return Claim(lease=lease, task=task, agent=agent, attempts=attempts)
 
 
 async def _one(conn: Conn, query: str, args: Sequence[Any] = ()) -> TupleRow:
