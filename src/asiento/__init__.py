@@ -47,6 +47,7 @@ from .events import (
     StepEvent,
     ToolStep,
 )
+from .gateways.quota import Quota
 from .journal import Checkpointer, MemoryCheckpointer, SqliteCheckpointer
 from .journal.url import open_store
 from .lease import Holder
@@ -108,6 +109,7 @@ __all__ = [
     "Policy",
     "PostgresCheckpointer",
     "Price",
+    "Quota",
     "RecordTooLarge",
     "ReplayDivergence",
     "RunAbandoned",

@@ -17,6 +17,7 @@ from ..errors import UsageError
 from ._errors import ModelCallFailed, ModelRequestRejected, ModelResponseInvalid, ModelUnavailable
 from .anthropic import AnthropicGateway
 from .openai import Api, OpenAIGateway
+from .quota import Quota
 
 __all__ = [
     "API_KEY_ENV",
@@ -27,6 +28,7 @@ __all__ = [
     "ModelResponseInvalid",
     "ModelUnavailable",
     "OpenAIGateway",
+    "Quota",
     "gateway_from_string",
 ]
 

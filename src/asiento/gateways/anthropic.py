@@ -26,6 +26,7 @@ from ._errors import (
     unavailable,
     usage_fields,
 )
+from .quota import Quota
 
 if TYPE_CHECKING:
     from anthropic import AsyncAnthropic
@@ -41,7 +42,8 @@ class AnthropicGateway(OwnedClient):
     API; ``options`` are extra ``create()`` parameters (temperature, ...). Pass
     ``client`` to use an ``AsyncAnthropic`` of your own; otherwise one is made
     from ``base_url``, ``api_key`` (default: the SDK's ``ANTHROPIC_API_KEY``),
-    ``max_retries`` and ``timeout``, and ``aclose()`` closes it.
+    ``max_retries`` and ``timeout``, and ``aclose()`` closes it. ``quota`` (one
+    ``Quota`` shared by many gateways) caps the requests in flight across them.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class AnthropicGateway(OwnedClient):
         max_retries: int = 2,
         timeout: float = 600.0,
         options: Mapping[str, Any] | None = None,
+        quota: Quota | None = None,
     ) -> None:
         if not isinstance(model, str) or not model:
             raise UsageError("AnthropicGateway(model) must be a non-empty str")
@@ -63,6 +66,7 @@ class AnthropicGateway(OwnedClient):
         self.model, self.max_tokens = model, max_tokens
         self.options = dict(options or {})
         self._owned = client is None
+        self.quota = quota or Quota()
         self.client = client or _make_client(base_url, api_key, max_retries, timeout)
         url = str(self.client.base_url)
         self.provider = "Anthropic" if "api.anthropic.com" in url else f"Anthropic at {url}"
@@ -72,10 +76,11 @@ class AnthropicGateway(OwnedClient):
         import anthropic
 
         try:
-            raw = await self.client.messages.with_raw_response.create(
-                **self._params(request), extra_headers=key_header(idempotency_key)
-            )
-            content = await raw.read()
+            async with self.quota.slot():
+                raw = await self.client.messages.with_raw_response.create(
+                    **self._params(request), extra_headers=key_header(idempotency_key)
+                )
+                content = await raw.read()
         except anthropic.APIStatusError as exc:
             raise status_error(self.provider, idempotency_key, exc) from exc
         except anthropic.APIConnectionError as exc:

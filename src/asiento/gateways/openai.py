@@ -27,6 +27,7 @@ from ._errors import (
     unavailable,
     usage_fields,
 )
+from .quota import Quota
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -44,7 +45,8 @@ class OpenAIGateway(OwnedClient):
     max_completion_tokens, ...). Pass ``client`` to use an ``AsyncOpenAI`` of
     your own (its retries and timeout then apply); otherwise one is made from
     ``base_url``, ``api_key`` (default: the SDK's ``OPENAI_API_KEY``),
-    ``max_retries`` and ``timeout``, and ``aclose()`` closes it.
+    ``max_retries`` and ``timeout``, and ``aclose()`` closes it. ``quota`` (one
+    ``Quota`` shared by many gateways) caps the requests in flight across them.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class OpenAIGateway(OwnedClient):
         max_retries: int = 2,
         timeout: float = 600.0,
         options: Mapping[str, Any] | None = None,
+        quota: Quota | None = None,
     ) -> None:
         if not isinstance(model, str) or not model:
             raise UsageError("OpenAIGateway(model) must be a non-empty str, such as 'gpt-4o'")
@@ -66,6 +69,7 @@ class OpenAIGateway(OwnedClient):
         self.model, self.api = model, api
         self.options = dict(options or {})
         self._owned = client is None
+        self.quota = quota or Quota()
         self.client = client or _make_client(base_url, api_key, max_retries, timeout)
         url = str(self.client.base_url)
         official = "api.openai.com" in url
@@ -77,14 +81,15 @@ class OpenAIGateway(OwnedClient):
 
         headers = key_header(idempotency_key)
         try:
-            if self.api == "chat":
-                raw = await self.client.chat.completions.with_raw_response.create(
-                    **self._chat_params(request), extra_headers=headers
-                )
-            else:
-                raw = await self.client.responses.with_raw_response.create(
-                    **self._responses_params(request), extra_headers=headers
-                )
+            async with self.quota.slot():
+                if self.api == "chat":
+                    raw = await self.client.chat.completions.with_raw_response.create(
+                        **self._chat_params(request), extra_headers=headers
+                    )
+                else:
+                    raw = await self.client.responses.with_raw_response.create(
+                        **self._responses_params(request), extra_headers=headers
+                    )
         except openai.APIStatusError as exc:
             raise status_error(self.provider, idempotency_key, exc) from exc
         except openai.APIConnectionError as exc:
