@@ -166,3 +166,26 @@ def test_one_quota_serves_event_loops_one_after_another(server: CountingServer) 
 def test_a_bad_max_concurrent_is_a_usage_error(bad: Any) -> None:
     with pytest.raises(UsageError, match="max_concurrent"):
         Quota(max_concurrent=bad)
+
+
+async def test_a_429_is_retried_with_the_same_key_and_body_and_exhausted_is_unavailable() -> None:
+    """Today's 429 policy (the SDK's retries, honouring retry-after-ms) under a quota."""
+    from asiento.gateways import ModelUnavailable
+
+    from .fake_servers import Answer, FakeProvider
+
+    request = ModelRequest(messages=(Message(role="user", content="hi"),))
+    with FakeProvider([Answer(text="ok"), Answer(text="ok")]) as provider:
+        async with OpenAIGateway(
+            "m", base_url=provider.openai_url, api_key="k", max_retries=2, quota=Quota(1)
+        ) as gw:
+            provider.fail_next(2, 429)
+            await gw.complete(request, idempotency_key="run:m1:abc")
+            tried = provider.requests[:3]
+            assert {r.key for r in tried} == {"run:m1:abc"}
+            assert len({json.dumps(r.body, sort_keys=True) for r in tried}) == 1
+            assert len({r.size for r in tried}) == 1
+            provider.fail_next(3, 429)
+            with pytest.raises(ModelUnavailable) as caught:
+                await gw.complete(request, idempotency_key="run:m2:def")
+    assert caught.value.status == 429
