@@ -9,7 +9,7 @@ the index's rules are written once, in ``_rules``.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from .._canonical import compact_encoder
@@ -171,6 +171,17 @@ Row = tuple[str, str, str, str | None, str, float]
 # The largest JSON payload one record may hold. Tool results above it are recorded
 # as a failure of the step (the tool ran once; its result is too large to keep).
 MAX_RECORD_BYTES = 32 * 1024 * 1024
+
+
+async def one_by_one(claims: Iterable[Awaitable[Claim | None]]) -> list[Claim]:
+    """``claim_many`` for a backend whose claims are cheap in-process calls: one at a time,
+    until one finds nothing (a lazy iterable: the claims after it are never made)."""
+    taken: list[Claim] = []
+    for claiming in claims:
+        if (claim := await claiming) is None:
+            break
+        taken.append(claim)
+    return taken
 
 
 def may_take(

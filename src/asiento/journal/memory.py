@@ -18,6 +18,7 @@ from .base import (
     encode_batch,
     lease_lost,
     may_take,
+    one_by_one,
     run_closed,
     run_locked,
 )
@@ -212,13 +213,9 @@ class MemoryCheckpointer:
     async def claim_many(
         self, holder: Holder, *, limit: int, ttl: float, max_attempts: int = 5
     ) -> list[Claim]:
-        claims: list[Claim] = []
-        while len(claims) < limit:
-            claim = await self.claim(holder, ttl=ttl, max_attempts=max_attempts)
-            if claim is None:
-                break
-            claims.append(claim)
-        return claims
+        return await one_by_one(
+            self.claim(holder, ttl=ttl, max_attempts=max_attempts) for _ in range(limit)
+        )
 
     async def wait_for_work(self, timeout: float) -> None:
         await self._wakeup.wait(timeout)

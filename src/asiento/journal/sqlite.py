@@ -48,6 +48,7 @@ from .base import (
     encode_batch,
     lease_lost,
     may_take,
+    one_by_one,
     run_closed,
     run_info,
     run_locked,
@@ -494,13 +495,9 @@ class SqliteCheckpointer:
     async def claim_many(
         self, holder: Holder, *, limit: int, ttl: float, max_attempts: int = 5
     ) -> list[Claim]:
-        claims: list[Claim] = []
-        while len(claims) < limit:
-            claim = await self.claim(holder, ttl=ttl, max_attempts=max_attempts)
-            if claim is None:
-                break
-            claims.append(claim)
-        return claims
+        return await one_by_one(
+            self.claim(holder, ttl=ttl, max_attempts=max_attempts) for _ in range(limit)
+        )
 
     async def wait_for_work(self, timeout: float) -> None:
         await self._wakeup.wait(timeout)  # this object's writes ring; others' wait the poll
