@@ -366,13 +366,15 @@ async def test_process_killed_inside_commit_leaves_nothing(store: PostgresCheckp
 
 
 class CommitCutter:
-    """A TCP proxy to the server that, when armed, forwards one COMMIT and then hangs up
-    without passing the answer on: a commit that landed, whose client cannot know it."""
+    """A TCP proxy to the server that counts the COMMITs its clients send and, when armed,
+    forwards one COMMIT and then hangs up without passing the answer on: a commit that
+    landed, whose client cannot know it."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
         self.armed = False
         self.cut = 0
+        self.commits = 0
         self.server: asyncio.Server | None = None
 
     async def start(self) -> int:
@@ -388,6 +390,7 @@ class CommitCutter:
         back = asyncio.create_task(self._pump(up_reader, writer))
         try:
             while data := await reader.read(65536):
+                self.commits += data.count(b"COMMIT")
                 if self.armed and b"COMMIT" in data:
                     self.armed, self.cut = False, self.cut + 1
                     back.cancel()  # from now on nothing reaches the client

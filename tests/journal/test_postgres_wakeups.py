@@ -26,46 +26,6 @@ __all__ = ["admin"]  # the fixture, shared with test_postgres
 WOKEN_WITHIN = 10.0
 
 
-class CommitCounter:
-    """A TCP proxy to the server that counts the COMMITs its clients send."""
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        self.commits = 0
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return int(self.server.sockets[0].getsockname()[1])
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        host, port = self.upstream
-        if host.startswith("/"):
-            up_reader, up_writer = await asyncio.open_unix_connection(f"{host}/.s.PGSQL.{port}")
-        else:
-            up_reader, up_writer = await asyncio.open_connection(host, port)
-        back = asyncio.create_task(self._pump(up_reader, writer))
-        try:
-            while data := await reader.read(65536):
-                self.commits += data.count(b"COMMIT")
-                up_writer.write(data)
-                await up_writer.drain()
-        finally:
-            back.cancel()
-            for w in (writer, up_writer):
-                w.close()
-
-    @staticmethod
-    async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        while data := await source.read(65536):
-            sink.write(data)
-            await sink.drain()
-
-    async def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-
-
 def unprepared(store: PostgresCheckpointer) -> PostgresCheckpointer:
     """The store with psycopg's prepared statements off, so that every COMMIT it sends
     says COMMIT on the wire (a prepared one is sent by name)."""
@@ -74,9 +34,9 @@ def unprepared(store: PostgresCheckpointer) -> PostgresCheckpointer:
 
 
 @pytest.fixture
-async def counted(pg_dsn: str) -> AsyncIterator[tuple[PostgresCheckpointer, CommitCounter]]:
+async def counted(pg_dsn: str) -> AsyncIterator[tuple[PostgresCheckpointer, CommitCutter]]:
     """A store whose connections go through a proxy that counts their COMMITs."""
-    counter = CommitCounter(host_and_port(pg_dsn))
+    counter = CommitCutter(host_and_port(pg_dsn))
     port = await counter.start()
     proxied = make_conninfo(pg_dsn, host="127.0.0.1", port=port, sslmode="disable")
     try:
@@ -87,7 +47,7 @@ async def counted(pg_dsn: str) -> AsyncIterator[tuple[PostgresCheckpointer, Comm
 
 
 async def test_claim_many_takes_the_oldest_up_to_the_limit_in_one_transaction(
-    counted: tuple[PostgresCheckpointer, CommitCounter],
+    counted: tuple[PostgresCheckpointer, CommitCutter],
 ) -> None:
     store, counter = counted
     for n in range(5):
@@ -108,7 +68,7 @@ async def test_claim_many_takes_the_oldest_up_to_the_limit_in_one_transaction(
 
 
 async def test_claim_many_parks_the_over_claimed_as_claim_does(
-    counted: tuple[PostgresCheckpointer, CommitCounter], admin: psycopg.AsyncConnection[Any]
+    counted: tuple[PostgresCheckpointer, CommitCutter], admin: psycopg.AsyncConnection[Any]
 ) -> None:
     store, counter = counted
     for run_id in ("worn", "mute", "fresh"):
@@ -128,7 +88,7 @@ async def test_claim_many_parks_the_over_claimed_as_claim_does(
 
 
 async def test_two_claim_many_at_once_never_take_the_same_run(pg_dsn: str) -> None:
-    counter = CommitCounter(host_and_port(pg_dsn))
+    counter = CommitCutter(host_and_port(pg_dsn))
     port = await counter.start()
     proxied = make_conninfo(pg_dsn, host="127.0.0.1", port=port, sslmode="disable")
     try:
