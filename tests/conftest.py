@@ -7,18 +7,28 @@ the server itself is ``tests/journal/pg_server.py`` (``tests/`` is on
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from journal import pg_server
+from sqlite_files import Journal
 
 
 @pytest.fixture
 def sqlite_path(tmp_path: Path) -> Path:
     """A path for a fresh SQLite journal file inside the test's own directory."""
     return tmp_path / "runs.db"
+
+
+@pytest.fixture
+async def journal(tmp_path: Path) -> AsyncIterator[Journal]:
+    """One SQLite journal file the test opens as many times as it has processes."""
+    j = Journal(tmp_path / "runs.db")
+    yield j
+    for store in j.opened:
+        await store.close()
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,6 +41,7 @@ from asiento import (
 )
 from asiento.lease import Holder
 from asiento.testing import ScriptedGateway
+from sqlite_files import Journal
 
 RUN = "run-1"
 TASK = "read /x"
@@ -49,27 +49,6 @@ TASK = "read /x"
 
 class Crash(BaseException):
     """Stands for the process dying: the loop must not catch it."""
-
-
-class Journal:
-    """One SQLite journal file; every ``open()`` is another process's connection."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.opened: list[SqliteCheckpointer] = []
-
-    def open(self) -> SqliteCheckpointer:
-        store = SqliteCheckpointer(self.path)
-        self.opened.append(store)
-        return store
-
-
-@pytest.fixture
-async def journal(tmp_path: Path) -> Any:
-    j = Journal(tmp_path / "runs.db")
-    yield j
-    for store in j.opened:
-        await store.close()
 
 
 class Spy:

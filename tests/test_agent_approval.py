@@ -6,7 +6,6 @@ Shared helpers live in test_agent.py; see its docstring for what "resume" and
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,11 +30,11 @@ from asiento import (
     require_approval_for,
 )
 from asiento.testing import ScriptedGateway
+from sqlite_files import Journal
 from test_agent import (
     ECHO_SCRIPT,
     RUN,
     Crash,
-    Journal,
     after_tool,
     asks,
     counting_tool,
@@ -46,14 +45,6 @@ from test_agent import (
     phases,
     tool_messages,
 )
-
-
-@pytest.fixture
-async def journal(tmp_path: Path) -> Any:
-    j = Journal(tmp_path / "runs.db")
-    yield j
-    for store in j.opened:
-        await store.close()
 
 
 def guarded(calls: list[str], *, crash: bool = False) -> Agent:

@@ -7,7 +7,6 @@ Shared helpers live in test_agent.py; see its docstring for what "resume" and
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,12 +28,12 @@ from asiento import (
     tool,
 )
 from asiento.testing import ScriptedGateway
+from sqlite_files import Journal
 from test_agent import (
     ECHO_SCRIPT,
     RUN,
     TASK,
     Crash,
-    Journal,
     after_tool,
     counting_tool,
     done,
@@ -45,14 +44,6 @@ from test_agent import (
     scripted,
     tool_messages,
 )
-
-
-@pytest.fixture
-async def journal(tmp_path: Path) -> Any:
-    j = Journal(tmp_path / "runs.db")
-    yield j
-    for store in j.opened:
-        await store.close()
 
 
 async def crashed_in_tool(journal: Journal, **kwargs: Any) -> None:

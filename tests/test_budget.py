@@ -29,7 +29,8 @@ from asiento import (
 )
 from asiento.model import Usage
 from asiento.testing import ScriptedGateway
-from test_agent import RUN, TASK, Journal, asks, counting_tool, done
+from sqlite_files import Journal
+from test_agent import RUN, TASK, asks, counting_tool, done
 
 STEPS = 5  # model calls that ask for a tool, then one that answers
 
@@ -48,14 +49,6 @@ def agent(budget: Budget | None) -> Agent:
 
 async def drive(a: Agent, gw: ScriptedGateway, store: Any) -> list[Any]:
     return [s async for s in a.run(TASK, session=Session(RUN, gw, store))]
-
-
-@pytest.fixture
-async def journal(tmp_path: Path) -> Any:
-    j = Journal(tmp_path / "runs.db")
-    yield j
-    for store in j.opened:
-        await store.close()
 
 
 async def stopped(journal: Journal, calls: int = 2) -> BudgetStep:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from asiento import Budget, FinalStep, Phase, SqliteCheckpointer
 from asiento.testing import ScriptedGateway
-from test_agent import RUN, Journal
+from sqlite_files import Journal
+from test_agent import RUN
 from test_budget import STEPS, agent, drive, script, stopped
 
 from .test_app import READ, banner, login, page
