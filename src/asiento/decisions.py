@@ -103,15 +103,8 @@ async def _decide(
         payload=Approval(approved=approved, by=by, reason=reason, fp=frozen).to_json(),
     )
     crash_point("during_approval")
-    try:  # no lease needed: a pass replaying meanwhile does not overwrite the decision
-        await store.append(event, status=RunStatus.RUNNING)
-    except DuplicateRecord:
-        raise ApprovalRefused(
-            f"{where} was decided by someone else first; nothing recorded"
-        ) from None
-    except RunClosed:
-        raise closed_error(run_id, _APPROVED_OR_DENIED) from None
-    return event
+    first = ApprovalRefused(f"{where} was decided by someone else first; nothing recorded")
+    return await _record_decision(store, event, first=first, done=_APPROVED_OR_DENIED)
 
 
 async def resolve(
@@ -199,18 +192,30 @@ async def raise_budget(
         phase=Phase.APPROVAL,
         payload=BudgetRaise(limits=limits, by=by, reason=reason).to_json(),
     )
-    try:  # no lease needed: a pass replaying meanwhile sees it in its conditional status
-        await store.append(event, status=RunStatus.RUNNING)
-    except DuplicateRecord:
-        raise UsageError(
-            f"run {run_id!r}: its budget was raised by someone else first; nothing recorded"
-        ) from None
-    except RunClosed:
-        raise closed_error(run_id, _RAISED) from None
-    return event
+    first = UsageError(
+        f"run {run_id!r}: its budget was raised by someone else first; nothing recorded"
+    )
+    return await _record_decision(store, event, first=first, done=_RAISED)
 
 
 _RAISED = "given a bigger budget"
+
+
+async def _record_decision(
+    store: Checkpointer, event: StepEvent, *, first: AsientoError, done: str
+) -> StepEvent:
+    """Append a person's decision (an approval, a raise) without taking the lease.
+
+    A pass replaying meanwhile reads it in its conditional status and never
+    overwrites it; ``first`` is raised if someone else decided first.
+    """
+    try:
+        await store.append(event, status=RunStatus.RUNNING)
+    except DuplicateRecord:
+        raise first from None
+    except RunClosed:
+        raise closed_error(event.run_id, done) from None
+    return event
 
 
 async def pending_approval(store: Checkpointer, run_id: str, step_id: str) -> Waiting:
