@@ -56,6 +56,15 @@ from .model import Gateway, Message, ModelRequest, ModelResponse, ToolCall, Tool
 from .policy import Policy, allow_all, require_approval_for
 from .session import RunStats, Session
 from .shutdown import ShutdownRequested
+from .streaming import (
+    Delta,
+    StreamEvent,
+    StreamingGateway,
+    StreamPart,
+    StreamRestart,
+    TextPart,
+    ToolCallPart,
+)
 from .tools import Tool, tool
 from .worker import App, Worker, submit
 
@@ -85,6 +94,7 @@ __all__ = [
     "Claim",
     "Decision",
     "DecisionOnClosedRun",
+    "Delta",
     "DuplicateRecord",
     "FinalStep",
     "Gateway",
@@ -126,8 +136,14 @@ __all__ = [
     "Step",
     "StepContext",
     "StepEvent",
+    "StreamEvent",
+    "StreamPart",
+    "StreamRestart",
+    "StreamingGateway",
+    "TextPart",
     "Tool",
     "ToolCall",
+    "ToolCallPart",
     "ToolSchema",
     "ToolStep",
     "UncertainEffect",

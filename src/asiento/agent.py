@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 from . import budget as budgets
 from . import context, shutdown, step_ids
@@ -66,6 +66,15 @@ from .payloads import (
 from .policy import Policy, allow_all, ask_policy
 from .replay import Action, Records, StepState, decide, index, step_state
 from .session import Session
+from .streaming import (
+    Delta,
+    StreamEvent,
+    StreamingGateway,
+    StreamRestart,
+    TextPart,
+    ToolCallPart,
+    whole_parts,
+)
 from .tools import Found, PrepareFailed, Tool, ToolArgumentsError, Unknown
 
 log = logging.getLogger("asiento")
@@ -105,13 +114,34 @@ class Agent:
         self.schemas = tuple(t.schema for t in tools)
         self.head = {"instructions": instructions, "tools": [s.to_json() for s in self.schemas]}
 
-    def run(self, task: str, *, session: Session) -> AsyncIterator[Step]:
-        """Drive the run to its end or to a point that needs a person, yielding each step."""
+    @overload
+    def run(
+        self, task: str, *, session: Session, stream: Literal[False] = False
+    ) -> AsyncIterator[Step]: ...
+
+    @overload
+    def run(
+        self, task: str, *, session: Session, stream: Literal[True]
+    ) -> AsyncIterator[Step | StreamEvent]: ...
+
+    def run(
+        self, task: str, *, session: Session, stream: bool = False
+    ) -> AsyncIterator[Step] | AsyncIterator[Step | StreamEvent]:
+        """Drive the run to its end or to a point that needs a person, yielding each step.
+
+        ``stream=True`` also yields each model step's answer as it is generated
+        (``Delta``), and ``StreamRestart`` before a step asked again, so a cut
+        attempt's text can be dropped; the ``ModelStep`` follows once it is durable.
+        """
         if not isinstance(task, str):
             raise UsageError(f"the task must be a str, got {type(task).__name__}")
         if not isinstance(session, Session):
             raise UsageError("run() needs session=Session(run_id, gateway, store)")
-        return _Pass(self, task, session).steps()
+        if not isinstance(stream, bool):
+            raise UsageError(f"run(stream=...) takes True or False, got {stream!r}")
+        if stream:
+            return _Pass(self, task, session, streaming=True).steps()
+        return cast("AsyncIterator[Step]", _Pass(self, task, session).steps())
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +177,11 @@ class _Decided(Exception):
 class _Pass:
     """One pass over a run: the state derived from the journal, then what is new."""
 
-    def __init__(self, agent: Agent, task: str, session: Session) -> None:
+    def __init__(
+        self, agent: Agent, task: str, session: Session, *, streaming: bool = False
+    ) -> None:
         self.agent, self.task, self.session = agent, task, session
+        self.streaming = streaming
         self.run_id, self.store, self.stats = session.run_id, session.store, session.stats
         self.chain = FingerprintChain(agent.head)
         self.messages: list[Message] = []
@@ -161,8 +194,9 @@ class _Pass:
         self.unrecorded: list[StepEvent] = []  # records an append refused (lease lost)
         self.ready: _Ready | None = None  # a tool step durable and about to run
         self.spent = budgets.Spent()  # what the model steps walked so far spent
+        self.restarted = False  # whether this pass announced its first asked step
 
-    async def steps(self) -> AsyncIterator[Step]:
+    async def steps(self) -> AsyncIterator[Step | StreamEvent]:
         final = await self.store.final(self.run_id)
         if final is not None:
             await self.session.settle_closed()
@@ -182,7 +216,7 @@ class _Pass:
                 raise
             raise abandoned from exc
 
-    async def _walks(self) -> AsyncIterator[Step]:
+    async def _walks(self) -> AsyncIterator[Step | StreamEvent]:
         """Walk the run; walk it again from the journal when a person decided meanwhile.
 
         Each new walk follows a decision recorded for the step the previous one was
@@ -247,7 +281,7 @@ class _Pass:
             abandoned=closed.abandoned,
         )
 
-    async def _walk(self) -> AsyncIterator[Step]:
+    async def _walk(self) -> AsyncIterator[Step | StreamEvent]:
         """Replay what the journal holds, then do what is missing, step by step."""
         self.journal = index(await self.store.load(self.run_id))
         self.spent = budgets.Spent()
@@ -260,7 +294,11 @@ class _Pass:
         for turn in range(1, self.agent.max_turns + 1):
             step_id = step_ids.model(turn)
             await self._boundary()
-            response = await self._model_step(step_id)
+            async for item in self._answer(step_id):
+                if isinstance(item, ModelResponse):
+                    response = item
+                else:
+                    yield item
             if not response.tool_calls:
                 await self._close(step_id, response)
                 for step in self._drain():
@@ -305,6 +343,54 @@ class _Pass:
         self._add(Message(role="assistant", content=response.text, tool_calls=response.tool_calls))
         return response
 
+    async def _answer(self, step_id: str) -> AsyncIterator[StreamEvent | ModelResponse]:
+        """The model step's answer, last; streamed, its deltas before it."""
+        if self.streaming:
+            async for item in self._streamed_model_step(step_id):
+                yield item
+        else:
+            yield await self._model_step(step_id)
+
+    async def _streamed_model_step(
+        self, step_id: str
+    ) -> AsyncIterator[StreamEvent | ModelResponse]:
+        """``_model_step`` showing the answer as it comes; the response last.
+
+        A recorded answer is shown whole, marked replayed. Nothing is written before
+        the first delta: the step is durable only when its complete answer is.
+        """
+        fp = self.chain.value[:32]
+        recorded = self.journal.get(step_id, {}).get(Phase.RESULT)
+        attempt = self.lease.token if self.lease is not None else 0
+        if recorded is not None:
+            response = self._replay_model(step_id, fp, recorded)
+            for part in whole_parts(response):
+                yield Delta(
+                    run_id=self.run_id, step_id=step_id, attempt=attempt, part=part, replayed=True
+                )
+        else:
+            await self._check_budget(step_id)
+            if attempt > 1 and not self.restarted:  # an earlier pass may have been cut here
+                self.restarted = True
+                yield StreamRestart(run_id=self.run_id, step_id=step_id, attempt=attempt)
+            key, request = self._request(step_id, fp)
+            gateway = self.session.gateway
+            if isinstance(gateway, StreamingGateway):
+                answer: object = None
+                async for item in gateway.stream(request, idempotency_key=key):
+                    if isinstance(item, TextPart | ToolCallPart):
+                        yield Delta(run_id=self.run_id, step_id=step_id, attempt=attempt, part=item)
+                    else:
+                        answer = item
+                response = self._took(step_id, fp, key, answer)
+            else:  # a gateway that cannot stream: its whole answer is one delta per part
+                answer = await gateway.complete(request, idempotency_key=key)
+                response = self._took(step_id, fp, key, answer)
+                for part in whole_parts(response):
+                    yield Delta(run_id=self.run_id, step_id=step_id, attempt=attempt, part=part)
+        self._add(Message(role="assistant", content=response.text, tool_calls=response.tool_calls))
+        yield response
+
     def _replay_model(self, step_id: str, fp: str, recorded: StepEvent) -> ModelResponse:
         result = ModelResult.from_json(recorded.payload)
         if result.fp != fp:
@@ -331,14 +417,25 @@ class _Pass:
         return True
 
     async def _call_model(self, step_id: str, fp: str) -> ModelResponse:
+        key, request = self._request(step_id, fp)
+        answer = await self.session.gateway.complete(request, idempotency_key=key)
+        return self._took(step_id, fp, key, answer)
+
+    def _request(self, step_id: str, fp: str) -> tuple[str, ModelRequest]:
+        """The step's idempotency key and the request the model is asked."""
         key = model_key(self.run_id, step_id, fp)
         messages = ConversationPrefix(self.messages, len(self.messages))  # never copied
         request = ModelRequest(
             instructions=self.agent.instructions, messages=messages, tools=self.agent.schemas
         )
-        answer = await self.session.gateway.complete(request, idempotency_key=key)
-        where = f"run {self.run_id!r} step {step_id!r}"
-        response = _with_call_ids(check_response(answer, where=where), step_id)
+        return key, request
+
+    def _where(self, step_id: str) -> str:
+        return f"run {self.run_id!r} step {step_id!r}"
+
+    def _took(self, step_id: str, fp: str, key: str, answer: object) -> ModelResponse:
+        """Count and record what the gateway answered (checked: garbage is a UsageError)."""
+        response = _with_call_ids(check_response(answer, where=self._where(step_id)), step_id)
         self.counted.add(step_id)
         self.stats.model_calls += 1
         self.stats.input_tokens += response.usage.input_tokens

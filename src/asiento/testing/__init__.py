@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._crash import CRASH_POINTS, ENV_VAR, arm, crash_point
-from ..gateways.scripted import ScriptedGateway
+from ..gateways.scripted import ScriptedGateway, StreamingScriptedGateway
 
 if TYPE_CHECKING:
     from .harness import CrashHarness
@@ -26,6 +26,7 @@ __all__ = [
     "CrashHarness",
     "Report",
     "ScriptedGateway",
+    "StreamingScriptedGateway",
     "Violation",
     "arm",
     "crash_point",
