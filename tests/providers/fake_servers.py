@@ -13,8 +13,10 @@ late), ``garble_next`` (a 200 whose body cannot be parsed, still billed),
 ``cache`` (prompt-cache tokens, read and written, reported with every answer
 the way each API reports them), ``trickle_turn`` (the answer's bytes sent a
 few at a time over some seconds), ``hold_stream`` (a stream stops after its
-first event until the test lets it go on). A Chat Completions request with
-``"stream": true`` is answered as server-sent events, chunk by chunk.
+first event until the test lets it go on), ``cut_next_stream`` (a stream's
+connection drops mid-way). A request with ``"stream": true`` is answered as
+server-sent events in each API's own format (Chat Completions chunks and
+``[DONE]``, Responses events, Anthropic Messages events), event by event.
 
 ``AsgiServer`` runs an ASGI app (the idempotency proxy) with uvicorn in a thread.
 
@@ -27,6 +29,8 @@ one JSON line on stdout. Arm ``ASIENTO_CRASH_AT`` to have it kill itself.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import re
 import socket
@@ -98,6 +102,7 @@ class _Knobs:
     delays: dict[int, float] = field(default_factory=dict)  # turn -> seconds, used once
     trickles: dict[int, float] = field(default_factory=dict)  # turn -> seconds, used once
     holds: deque[threading.Event] = field(default_factory=deque)
+    cuts: deque[int] = field(default_factory=deque)  # a stream drops before its N-th event
 
 
 class FakeProvider:
@@ -158,6 +163,11 @@ class FakeProvider:
             self._knobs.holds.append(go_on)
         return go_on
 
+    def cut_next_stream(self, before_event: int) -> None:
+        """The next stream's connection drops before its ``before_event``-th event (billed)."""
+        with self._lock:
+            self._knobs.cuts.append(before_event)
+
     def garble_next(self, body: bytes, n: int = 1) -> None:
         """Bill the next ``n`` generations but answer 200 with ``body`` instead."""
         with self._lock:
@@ -213,8 +223,13 @@ class FakeProvider:
             len(raw) // 4, 5 + 10 * len(answer.calls) + len(answer.text) // 4, *self.cache
         )
         out, id_header = render(n, body.get("model", ""), answer, usage)
-        if body.get("stream") is True and render is _render_chat:
-            return 200, {id_header: f"req_{n}", "content-type": "text/event-stream"}, self._sse(out)
+        if body.get("stream") is True:
+            events = _STREAMS[render](out)
+            return (
+                200,
+                {id_header: f"req_{n}", "content-type": "text/event-stream"},
+                self._sse(events),
+            )
         content = garbage if garbage is not None else _dumps(out).encode()
         if trickle:
             content = self._trickled(content, trickle)
@@ -228,15 +243,17 @@ class FakeProvider:
             if self._closing.wait(seconds / pieces):
                 return
 
-    def _sse(self, completion: dict) -> Iterator[bytes]:
-        """A chat completion as the chunks of its stream, then ``[DONE]``."""
+    def _sse(self, events: Iterator[bytes]) -> Iterator[bytes]:
+        """An answer as the events of its stream, each sent as it comes (held if asked)."""
         with self._lock:
             hold = self._knobs.holds.popleft() if self._knobs.holds else None
-        for i, chunk in enumerate(_chat_chunks(completion)):
-            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            cut = self._knobs.cuts.popleft() if self._knobs.cuts else None
+        for i, event in enumerate(events):
+            if cut is not None and i == cut:
+                raise _CutStream  # the connection drops without the chunked terminator
+            yield event
             if i == 0 and hold is not None:
                 hold.wait(timeout=30)
-        yield b"data: [DONE]\n\n"
 
 
 def _handler(provider: FakeProvider) -> type[BaseHTTPRequestHandler]:
@@ -259,6 +276,10 @@ def _handler(provider: FakeProvider) -> type[BaseHTTPRequestHandler]:
                     self._send_chunked(content)
             except OSError:
                 pass  # the client is gone (killed): the generation is billed all the same
+            except _CutStream:
+                self.close_connection = True
+                with contextlib.suppress(OSError):
+                    self.connection.shutdown(socket.SHUT_RDWR)
 
         def _send_chunked(self, pieces: Iterator[bytes]) -> None:
             self.send_header("transfer-encoding", "chunked")
@@ -395,6 +416,101 @@ def _render_chat(n: int, model: str, answer: Answer, usage: Tokens) -> tuple[dic
             details["cache_write_tokens"] = usage.written
         out["usage"]["prompt_tokens_details"] = details
     return out, "x-request-id"
+
+
+def _chat_sse(completion: dict) -> Iterator[bytes]:
+    """A chat completion as the chunks of its stream, then ``[DONE]``."""
+    for chunk in _chat_chunks(completion):
+        yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _event(kind: str, data: dict) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps(data | {'type': kind})}\n\n".encode()
+
+
+def _responses_sse(response: dict) -> Iterator[bytes]:
+    """A Responses answer as its stream: created, each output item with its deltas, completed."""
+    seq = itertools.count()
+
+    def event(kind: str, **data: Any) -> bytes:
+        return _event(kind, data | {"sequence_number": next(seq)})
+
+    started = response | {"status": "in_progress", "output": [], "usage": None}
+    yield event("response.created", response=started)
+    for index, item in enumerate(response["output"]):
+        if item["type"] == "message":
+            empty = item | {"status": "in_progress", "content": []}
+            yield event("response.output_item.added", output_index=index, item=empty)
+            part = {"type": "output_text", "text": "", "annotations": []}
+            yield event(
+                "response.content_part.added",
+                item_id=item["id"], output_index=index, content_index=0, part=part,
+            )  # fmt: skip
+            text = item["content"][0]["text"]
+            for piece in _pieces(text):
+                yield event(
+                    "response.output_text.delta",
+                    item_id=item["id"], output_index=index, content_index=0, delta=piece,
+                    logprobs=[],
+                )  # fmt: skip
+            yield event(
+                "response.output_text.done",
+                item_id=item["id"], output_index=index, content_index=0, text=text, logprobs=[],
+            )  # fmt: skip
+            yield event(
+                "response.content_part.done", item_id=item["id"], output_index=index,
+                content_index=0, part=item["content"][0],
+            )  # fmt: skip
+        else:
+            empty = item | {"arguments": "", "status": "in_progress"}
+            yield event("response.output_item.added", output_index=index, item=empty)
+            for piece in _pieces(item["arguments"]):
+                yield event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"], output_index=index, delta=piece,
+                )  # fmt: skip
+            yield event(
+                "response.function_call_arguments.done",
+                item_id=item["id"], output_index=index, arguments=item["arguments"],
+            )  # fmt: skip
+        yield event("response.output_item.done", output_index=index, item=item)
+    yield event("response.completed", response=response)
+
+
+def _messages_sse(message: dict) -> Iterator[bytes]:
+    """An Anthropic message as its stream: start, each content block with deltas, stop."""
+    usage = message["usage"]
+    started = message | {"content": [], "stop_reason": None, "usage": usage | {"output_tokens": 1}}
+    yield _event("message_start", {"message": started})
+    for index, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            yield _event(
+                "content_block_start", {"index": index, "content_block": block | {"text": ""}}
+            )
+            for piece in _pieces(block["text"]):
+                delta = {"type": "text_delta", "text": piece}
+                yield _event("content_block_delta", {"index": index, "delta": delta})
+        else:
+            empty = block | {"input": {}}
+            yield _event("content_block_start", {"index": index, "content_block": empty})
+            for piece in _pieces(json.dumps(block["input"])):
+                delta = {"type": "input_json_delta", "partial_json": piece}
+                yield _event("content_block_delta", {"index": index, "delta": delta})
+        yield _event("content_block_stop", {"index": index})
+    stop = {"stop_reason": message["stop_reason"], "stop_sequence": None}
+    yield _event("message_delta", {"delta": stop, "usage": usage})
+    yield _event("message_stop", {})
+
+
+def _pieces(text: str, size: int = 7) -> Iterator[str]:
+    """Text in the small pieces a model streams."""
+    for start in range(0, len(text), size):
+        yield text[start : start + size]
+
+
+class _CutStream(Exception):
+    """Raised inside a stream's body to drop the connection mid-stream."""
 
 
 def _chat_chunks(completion: dict) -> Iterator[dict]:
@@ -556,6 +672,11 @@ _ROUTES: dict[str, tuple[Callable, Callable, Callable]] = {
     "/v1/chat/completions": (_check_chat, _chat_turn, _render_chat),
     "/v1/responses": (_check_responses, _responses_turn, _render_responses),
     "/v1/messages": (_check_messages, _messages_turn, _render_messages),
+}
+_STREAMS: dict[Callable, Callable[[dict], Iterator[bytes]]] = {
+    _render_chat: _chat_sse,
+    _render_responses: _responses_sse,
+    _render_messages: _messages_sse,
 }
 
 

@@ -1,4 +1,4 @@
-"""``asiento gateway``: a key in flight stays its holder's while the holder lives; streams pass.
+"""``asiento gateway``: a key in flight stays its holder's while the holder lives.
 
 Answers here take longer than the proxy's in-flight lease (made short through
 the proxy's own ``lease`` option), so only a renewed claim keeps a second
@@ -11,13 +11,11 @@ when one is killed with SIGKILL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -178,73 +176,3 @@ async def test_the_read_timeout_bounds_each_silence(
     assert "ReadTimeout" in str(caught.value.body)
     assert retried.parse().id == "chatcmpl-2"
     assert provider.billed("k-silent") == 2
-
-
-# -- streams pass through ----------------------------------------------------------------
-
-
-@dataclass
-class Streamed:
-    """What a client got from one streamed Chat Completions call."""
-
-    headers: Any
-    calls: list[tuple[str, str]]
-
-
-def open_stream(client: openai.AsyncOpenAI, key: str) -> Any:
-    """One ``stream=True`` Chat Completions call with the official client, to enter."""
-    return client.chat.completions.with_streaming_response.create(
-        model="gpt-test", messages=HELLO, stream=True, extra_headers={"Idempotency-Key": key}
-    )
-
-
-async def streamed(client: openai.AsyncOpenAI, key: str) -> Streamed:
-    """One streamed call read to its end: its headers and the tool calls it streamed."""
-    async with open_stream(client, key) as response:
-        calls = [
-            (call.function.name or "", call.function.arguments or "")
-            async for chunk in await response.parse()
-            for choice in chunk.choices
-            for call in choice.delta.tool_calls or []
-            if call.function is not None
-        ]
-        return Streamed(response.headers, calls)
-
-
-async def test_a_stream_is_passed_through_unrecorded_every_time(
-    proxy: AsgiServer, provider: FakeProvider, tmp_path: Path
-) -> None:
-    """stream: true with a key is relayed each time as a stream: two requests, two generations."""
-    async with sdk(proxy) as client:
-        first = await streamed(client, "k-stream")
-        second = await streamed(client, "k-stream")
-    read = [("read", '{"path": "/x"}'), ("read", '{"path": "/y"}')]
-    assert first.calls == second.calls == read
-    assert first.headers["asiento-gateway"] == second.headers["asiento-gateway"]
-    assert second.headers["asiento-gateway"] == "passthrough-stream"
-    assert "idempotent-replayed" not in second.headers
-    assert provider.billed("k-stream") == 2
-    assert stats(proxy).streams_passed_through == 2
-    assert keys_kept(tmp_path / "keys.db") == []
-
-
-async def test_a_stream_reaches_its_client_while_upstream_still_sends_it(
-    proxy: AsgiServer, provider: FakeProvider, tmp_path: Path
-) -> None:
-    """The first event arrives before upstream sends the rest; no claim exists meanwhile."""
-    go_on = provider.hold_stream()
-    try:
-        async with sdk(proxy) as client, contextlib.AsyncExitStack() as stack:
-            async with asyncio.timeout(15):  # upstream holds the rest for up to 30 s
-                response = await stack.enter_async_context(open_stream(client, "k"))
-                chunks = (await response.parse()).__aiter__()
-                first = await chunks.__anext__()
-            while_streaming = keys_kept(tmp_path / "keys.db")
-            go_on.set()
-            rest = [chunk async for chunk in chunks]
-    finally:
-        go_on.set()
-    assert first.choices[0].delta.role == "assistant"
-    assert while_streaming == []
-    assert rest[-1].usage is not None
-    assert provider.billed("k") == 1

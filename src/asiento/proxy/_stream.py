@@ -1,11 +1,9 @@
-"""Streamed requests (``"stream": true``): passed through to upstream, never claimed or kept.
+"""Streamed requests without a key: passed through to upstream, never claimed or kept.
 
-Recording a stream and replaying it to the same key is a job of its own (the
-events must be read to their end even when the client is gone, and a second
-request must attach to a stream still being generated). Until the proxy does
-that, it does none of it: a streamed request takes no claim, so it can leave no
-claim behind, and its events reach the client as upstream sends them. Every
-such response says so with ``Asiento-Gateway: passthrough-stream``.
+With no key there is nothing to deduplicate by (keyed streams are recorded: see
+``_recording``). Such a stream takes no claim, so it can leave no claim behind,
+and its events reach the client as upstream sends them. Every such response
+says so with ``Asiento-Gateway: passthrough-stream``.
 """
 
 from __future__ import annotations

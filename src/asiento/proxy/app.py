@@ -14,8 +14,13 @@ resume. Put this proxy between the gateway and the provider and it does not:
 - the same key with another body is refused with ``422``
   (``idempotency_key_reused``), never answered with the other body's answer;
 - keys expire ``ttl`` seconds after their first use;
-- a request with ``"stream": true`` is passed through as it streams, never
-  claimed nor kept (``Asiento-Gateway: passthrough-stream``; see ``_stream``).
+- a request with ``"stream": true`` and a key is claimed the same way; the
+  proxy reads upstream's stream to its end (even when its client is gone),
+  relaying it as it comes, and keeps it once it ends with its API's last
+  event; the same key again gets the kept events, and a request for a key
+  whose stream is still coming attaches to it (the events so far, then the
+  rest live; see ``_recording``). A stream without a key is passed through,
+  never claimed nor kept (``Asiento-Gateway: passthrough-stream``).
 
 The upstream call belongs to the proxy, not to the client's connection: a
 client killed mid-request does not cancel it, and its answer is kept for the
@@ -63,6 +68,7 @@ from ..gateways._errors import ModelResponseInvalid, read_answer
 from ..gateways.anthropic import parse_message
 from ..gateways.openai import parse_chat, parse_responses
 from ..lease import Holder, is_dead_here
+from ._recording import Recording
 from ._stream import PassedThrough, wants_stream
 
 DEFAULT_PORT = 8787
@@ -276,6 +282,8 @@ class ProxyStats:
     replayed: int = 0
     conflicts: int = 0
     streams_passed_through: int = 0
+    streams_recorded: int = 0  # streams read to their end and kept under their key
+    streams_attached: int = 0  # requests that joined a stream still coming
 
 
 class IdempotencyProxy:
@@ -294,17 +302,21 @@ class IdempotencyProxy:
         self.store, self.client, self.wait = store, client, wait
         self.upstream_timeout = upstream_timeout
         self.stats = ProxyStats()
-        self._tasks: set[asyncio.Task[Response]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._live: dict[tuple[str, str], Recording] = {}  # streams this process is reading
 
     async def handle(self, request: Request) -> Response:
         path = request.url.path
         if path != "/v1" and not path.startswith("/v1/"):
             return _error(404, f"no route {path}; the proxy serves /v1/...", "not_found")
         body = await request.body()
-        if request.method == "POST" and wants_stream(body):
-            return await self._pass_stream(request, body)
         key = request.headers.get("idempotency-key")
-        if request.method != "POST" or not key or path not in PARSERS:
+        keyed = request.method == "POST" and bool(key) and path in PARSERS
+        if request.method == "POST" and wants_stream(body):
+            if key and keyed:
+                return await self._recorded_stream(request, body, key)
+            return await self._pass_stream(request, body)
+        if not key or not keyed:
             return await self._forward(request, body)
         # The proxy's own task, not the client's: a client that dies cancels neither the
         # claim nor the upstream call, and the answer is kept for the resumed run.
@@ -331,6 +343,113 @@ class IdempotencyProxy:
             if time.monotonic() >= deadline:
                 return _still_in_flight(key)
             await asyncio.sleep(POLL)
+
+    async def _recorded_stream(self, request: Request, body: bytes, key: str) -> Response:
+        """A keyed stream: attach to it, replay it, or claim it and read it to its end."""
+        scope, path = _scope(request.headers), request.url.path
+        fp = _fingerprint(path, body)
+        deadline = time.monotonic() + self.wait
+        while True:
+            live = self._live.get((scope, key))
+            if live is not None:  # this process is reading it: join at the first chunk
+                if live.fingerprint != fp:
+                    self.stats.conflicts += 1
+                    return _reused(key)
+                self.stats.streams_attached += 1
+                return await live.response(_ATTACHED)
+            claim = await asyncio.to_thread(self.store.claim, scope, key, fp)
+            if claim.kind == "new":
+                live = self._live[(scope, key)] = Recording(path, fp)
+                self._spawn(self._record(request, body, (scope, key), claim.token, live))
+                return await live.response(_RECORDING)
+            if claim.kind == "done" and claim.stored is not None:
+                self.stats.replayed += 1
+                headers = claim.stored.headers | {"idempotent-replayed": "true"}
+                return Response(claim.stored.body, claim.stored.status, headers=headers)
+            if claim.kind == "conflict":
+                self.stats.conflicts += 1
+                return _reused(key)
+            if time.monotonic() >= deadline:  # another proxy process is reading it
+                return _still_in_flight(key)
+            await asyncio.sleep(POLL)
+
+    async def _record(
+        self, request: Request, body: bytes, ident: tuple[str, str], token: str, live: Recording
+    ) -> None:
+        """Read upstream's stream to its end for every client of the key; keep it if whole.
+
+        A plain answer (an error) is given only once the key is released, so a retry
+        right after it asks upstream again instead of waiting for this claim.
+        """
+        scope, key = ident
+        renewal = asyncio.create_task(self._renew(scope, key, token))
+        kept, plain = False, None
+        try:
+            plain, status, headers = await self._read_stream(request, body, live)
+            whole = live.whole()
+            if plain is None and whole is not None:
+                answer = Stored(status, headers, whole)
+                await asyncio.to_thread(self.store.finish, scope, key, token, answer)
+                kept = True
+                self.stats.streams_recorded += 1
+        finally:
+            try:
+                if not kept:  # nothing whole to keep: a retry asks upstream again
+                    await asyncio.to_thread(self.store.release, scope, key, token)
+            finally:
+                renewal.cancel()  # only once the stream is kept or the key released
+                if plain is not None:
+                    live.answered(plain)
+                live.failed(_error(502, "the proxy stopped reading upstream", "upstream"))
+                self._live.pop(ident, None)
+
+    async def _read_stream(
+        self, request: Request, body: bytes, live: Recording
+    ) -> tuple[Response | None, int, dict[str, str]]:
+        """Upstream's stream into ``live`` within ``upstream_timeout``, or its plain answer.
+
+        Returns the plain answer (None once streaming began), the status and headers.
+        """
+        url, headers = self._upstream_request(request)
+        self.stats.upstream_calls += 1
+        sent = self.client.build_request(request.method, url, content=body, headers=headers)
+        try:
+            async with asyncio.timeout(self.upstream_timeout):
+                upstream = await self.client.send(sent, stream=True)
+                try:
+                    status = upstream.status_code
+                    kept = {
+                        k: v for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_DROP
+                    }
+                    streaming = "text/event-stream" in upstream.headers.get("content-type", "")
+                    if not (200 <= status < 300 and streaming):
+                        return Response(await upstream.aread(), status, headers=kept), status, kept
+                    live.started(status, kept)
+                    async for chunk in upstream.aiter_bytes():
+                        live.add(chunk)
+                finally:
+                    await upstream.aclose()
+        except TimeoutError:
+            return self._cut(live, _too_slow(url, self.upstream_timeout))
+        except httpx.HTTPError as exc:
+            failure = f"upstream {url} failed: {type(exc).__name__}: {exc}"
+            return self._cut(live, _error(502, failure, "upstream"))
+        live.end(cut=False)
+        return None, status, kept
+
+    @staticmethod
+    def _cut(live: Recording, error: Response) -> tuple[Response | None, int, dict[str, str]]:
+        """A failure before the stream began is an answer; after, the stream is cut."""
+        if live.streaming:
+            live.end(cut=True)
+            return None, error.status_code, {}
+        return error, error.status_code, {}
+
+    def _spawn(self, work: Any) -> None:
+        """The proxy's own task, not the client's: a client that goes away cancels nothing."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _fetch_and_keep(
         self, request: Request, body: bytes, scope: str, key: str, token: str
@@ -493,6 +612,10 @@ def serve(
     )
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=int(wait))
     uvicorn.Server(config).run(sockets=[sock])
+
+
+_RECORDING = {"asiento-gateway": "recorded-stream"}
+_ATTACHED = {"asiento-gateway": "attached-stream", "idempotent-replayed": "true"}
 
 
 def _recordable(path: str, answer: Stored) -> bool:
