@@ -47,7 +47,9 @@ from .events import (
     StepEvent,
     ToolStep,
 )
+from .gateways._errors import RateLimited
 from .gateways.quota import Quota
+from .gateways.rate_limit import RateLimitPolicy
 from .journal import Checkpointer, MemoryCheckpointer, SqliteCheckpointer
 from .journal.url import open_store
 from .lease import Holder
@@ -120,6 +122,8 @@ __all__ = [
     "PostgresCheckpointer",
     "Price",
     "Quota",
+    "RateLimitPolicy",
+    "RateLimited",
     "RecordTooLarge",
     "ReplayDivergence",
     "RunAbandoned",

@@ -77,13 +77,18 @@ class Usage:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelResponse:
-    """The model's answer: text, and the tool calls it asks for (in order)."""
+    """The model's answer: text, and the tool calls it asks for (in order).
+
+    ``rate_limited`` counts the 429s the request was sent again for before this
+    answer came (recorded only when there were some; older records read as 0).
+    """
 
     text: str = ""
     tool_calls: Sequence[ToolCall] = ()
     usage: Usage = field(default_factory=Usage)
     model: str = ""
     request_id: str | None = None
+    rate_limited: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
@@ -97,6 +102,8 @@ class ModelResponse:
             data["model"] = self.model
         if self.request_id is not None:
             data["request_id"] = self.request_id
+        if self.rate_limited:
+            data["rate_limited"] = self.rate_limited
         return data
 
     @classmethod
@@ -107,6 +114,7 @@ class ModelResponse:
             usage=_usage_from(data),
             model=data.get("model", ""),
             request_id=data.get("request_id"),
+            rate_limited=int(data.get("rate_limited", 0)),
         )
 
 

@@ -200,6 +200,7 @@ def _model_summary(response: ModelResponse) -> str:
     read, written = usage.cached_input_tokens, usage.cache_write_tokens
     cached = f", {read} from cache" if read else ""
     cached += f", {written} written to cache" if written else ""
+    cached += f", {response.rate_limited} retried after 429" if response.rate_limited else ""
     tokens = f" [{usage.input_tokens}+{usage.output_tokens} tokens{cached}]"
     return "; ".join(part for part in (said, asks) if part) + tokens
 

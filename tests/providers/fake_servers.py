@@ -47,6 +47,7 @@ __all__ = [
     "CHILD_SCRIPT",
     "Answer",
     "AsgiServer",
+    "CountingProvider",
     "FakeProvider",
     "Raw",
     "Received",
@@ -80,6 +81,8 @@ class Received:
     headers: dict[str, str]
     body: Any
     size: int  # bytes of the body: the fake bills len // 4 input tokens
+    raw: bytes = b""  # the body as it came, byte for byte
+    at: float = field(default_factory=time.monotonic)  # when it arrived (the server's clock)
 
     @property
     def key(self) -> str | None:
@@ -97,7 +100,7 @@ class Tokens(NamedTuple):
 
 @dataclass
 class _Knobs:
-    failures: deque[int] = field(default_factory=deque)
+    failures: deque[tuple[int, dict[str, str] | None]] = field(default_factory=deque)
     garbage: deque[bytes] = field(default_factory=deque)
     delays: dict[int, float] = field(default_factory=dict)  # turn -> seconds, used once
     trickles: dict[int, float] = field(default_factory=dict)  # turn -> seconds, used once
@@ -141,10 +144,11 @@ class FakeProvider:
         with self._lock:
             return sum(1 for k in self.generations if key is None or k == key)
 
-    def fail_next(self, n: int, status: int) -> None:
-        """Answer the next ``n`` requests with ``status`` (not billed)."""
+    def fail_next(self, n: int, status: int, headers: dict[str, str] | None = None) -> None:
+        """Answer the next ``n`` requests with ``status`` (not billed); ``headers`` replace
+        the ``retry-after-ms: 5`` a 429 or 5xx otherwise carries."""
         with self._lock:
-            self._knobs.failures.extend([status] * n)
+            self._knobs.failures.extend([(status, headers)] * n)
 
     def delay_turn(self, turn: int, seconds: float) -> None:
         """Count the next generation of ``turn`` (0 = m1) at once; answer ``seconds`` later."""
@@ -191,9 +195,9 @@ class FakeProvider:
         """Status, headers and body for one request (runs in the server's thread)."""
         body = _json(raw)
         with self._lock:
-            self.requests.append(Received(path, headers, body, len(raw)))
+            self.requests.append(Received(path, headers, body, len(raw), raw))
             if self._knobs.failures:
-                return _failure(self._knobs.failures.popleft())
+                return _failure(*self._knobs.failures.popleft())
         route = _ROUTES.get(path)
         if route is None:
             return _status(404, f"no route {path}")
@@ -334,9 +338,11 @@ def _status(status: int, message: str) -> tuple[int, dict, Body]:
     return status, {"content-type": "application/json"}, json.dumps(body).encode()
 
 
-def _failure(status: int) -> tuple[int, dict, Body]:
+def _failure(status: int, extra: dict[str, str] | None = None) -> tuple[int, dict, Body]:
     code, headers, body = _status(status, f"injected failure {status}")
-    if status == 429 or status >= 500:
+    if extra is not None:
+        headers |= extra
+    elif status == 429 or status >= 500:
         headers["retry-after-ms"] = "5"  # the SDKs honour it: retries stay fast in tests
     return code, headers, body
 
@@ -722,6 +728,109 @@ class AsgiServer:
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self._sock.close()
+
+
+# -- a provider that counts what reaches it at once ----------------------------------------
+
+
+class _Backlogged(ThreadingHTTPServer):
+    request_queue_size = 512  # a burst of hundreds of connections is not refused
+    daemon_threads = True
+
+
+class CountingProvider:
+    """Answers every chat and messages request "ok"; counts what it holds at once.
+
+    Each request is held (up to ``hold`` seconds) until more than ``crowd`` are in
+    flight, so a burst that is not capped shows. ``arrivals`` holds when each
+    request came (``time.monotonic``), its path and Idempotency-Key, in order.
+    Answers bill 1 input and 1 output token. Use it as a context manager.
+    """
+
+    def __init__(self, *, crowd: int = 8, hold: float = 0.02) -> None:
+        self.crowd, self.hold = crowd, hold
+        self.in_flight = self.most = self.served = 0
+        self.arrivals: list[tuple[float, str, str | None]] = []
+        self._cond = threading.Condition()
+        self.server = _Backlogged(("127.0.0.1", 0), _counting_handler(self))
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def arrived(self) -> int:
+        with self._cond:
+            return len(self.arrivals)
+
+    def enter(self, path: str, key: str | None) -> None:
+        with self._cond:
+            self.arrivals.append((time.monotonic(), path, key))
+            self.in_flight += 1
+            self.most = max(self.most, self.in_flight)
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self.in_flight > self.crowd, timeout=self.hold)
+
+    def leave(self) -> None:
+        with self._cond:
+            self.in_flight -= 1
+            self.served += 1
+
+    def __enter__(self) -> CountingProvider:
+        self.thread.start()
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _counting_handler(server: CountingProvider) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", "0")))
+            server.enter(self.path, self.headers.get("idempotency-key"))
+            try:
+                body = json.dumps(_ok(self.path)).encode()
+            finally:
+                server.leave()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+def _ok(path: str) -> dict[str, Any]:
+    if path.endswith("/messages"):
+        return {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "m",
+            "content": [{"type": "text", "text": "ok"}],
+            "stop_reason": "end_turn",
+            "usage": {"input_tokens": 1, "output_tokens": 1},
+        }
+    return {
+        "id": "c1",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }
 
 
 # -- the crash tests' child process -------------------------------------------------------

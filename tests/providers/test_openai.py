@@ -209,8 +209,11 @@ async def test_responses_api_run_has_the_scripted_journal_shape(
 async def test_every_attempt_carries_the_step_key_sdk_retries_included(
     gateway: OpenAIGateway, provider: FakeProvider, tmp_path: Path
 ) -> None:
-    """Rate limits are retried by the SDK with backoff, each attempt with the same key."""
-    provider.fail_next(2, 429)
+    """Server errors are retried by the SDK with backoff, each attempt with the same key.
+
+    (A 429 is asiento's to retry: tests/providers/test_rate_limits.py.)
+    """
+    provider.fail_next(2, 500)
     await drive(gateway, tmp_path / "runs.db")
     first = provider.requests[:3]
     keys = {r.key for r in first}

@@ -1,116 +1,36 @@
-"""Quota: one object shared by many gateways caps requests in flight at a real server."""
+"""Quota: one object shared by many gateways limits what reaches a real server.
+
+Requests in flight, requests per minute and tokens per minute, counted by the
+server (``CountingProvider`` on 127.0.0.1) that the official clients talk to.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from asiento import ModelRequest, Quota, UsageError
+from asiento import Agent, FinalStep, ModelRequest, Quota, Session, SqliteCheckpointer, UsageError
 from asiento.gateways import AnthropicGateway, OpenAIGateway
+from asiento.gateways.quota import estimate_tokens
 from asiento.model import Message
+
+from .fake_servers import CountingProvider
 
 CALLS = 200
 CAP = 8
-HOLD = 0.02  # seconds a request waits for more company before answering (bounded)
-
-
-class _Server(ThreadingHTTPServer):
-    request_queue_size = 512  # a burst of CALLS connections is not refused by the backlog
-    daemon_threads = True
-
-
-class CountingServer:
-    """Answers chat and messages requests; records the most requests it held at once."""
-
-    def __init__(self) -> None:
-        self.in_flight = 0
-        self.most = 0
-        self.served = 0
-        self._cond = threading.Condition()
-        self.server = _Server(("127.0.0.1", 0), _handler(self))
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def enter(self) -> None:
-        with self._cond:
-            self.in_flight += 1
-            self.most = max(self.most, self.in_flight)
-            self._cond.notify_all()
-            # wait (bounded) until more than CAP are in flight, so an uncapped burst shows
-            self._cond.wait_for(lambda: self.in_flight > CAP, timeout=HOLD)
-
-    def leave(self) -> None:
-        with self._cond:
-            self.in_flight -= 1
-            self.served += 1
-
-
-def _handler(server: CountingServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("content-length", "0")))
-            server.enter()
-            try:
-                body = json.dumps(_answer(self.path)).encode()
-            finally:
-                server.leave()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    return Handler
-
-
-def _answer(path: str) -> dict[str, Any]:
-    if path.endswith("/messages"):
-        return {
-            "id": "msg_1",
-            "type": "message",
-            "role": "assistant",
-            "model": "m",
-            "content": [{"type": "text", "text": "ok"}],
-            "stop_reason": "end_turn",
-            "usage": {"input_tokens": 1, "output_tokens": 1},
-        }
-    return {
-        "id": "c1",
-        "object": "chat.completion",
-        "created": 0,
-        "model": "m",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "ok"},
-                "finish_reason": "stop",
-            }
-        ],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-    }
+GRACE = 0.3  # seconds a held request is given to show up at the server if it wrongly could
+REQUEST = ModelRequest(messages=(Message(role="user", content="hi"),))
 
 
 @pytest.fixture
-def server() -> Iterator[CountingServer]:
-    s = CountingServer()
-    s.thread.start()
-    yield s
-    s.server.shutdown()
-    s.server.server_close()
+def server() -> Iterator[CountingProvider]:
+    with CountingProvider(crowd=CAP) as s:
+        yield s
 
 
 def _client(kind: str, url: str) -> Any:
@@ -124,37 +44,53 @@ def _client(kind: str, url: str) -> Any:
     return anthropic.AsyncAnthropic(base_url=url, api_key="k", max_retries=0)
 
 
-async def _burst(kind: str, url: str, quota: Quota | None, calls: int = CALLS) -> None:
+def _gateway(kind: str, client: Any, quota: Quota | None, **options: Any) -> Any:
+    if kind == "openai":
+        return OpenAIGateway("m", client=client, quota=quota, options=options)
+    return AnthropicGateway("m", client=client, quota=quota, **options)
+
+
+async def _burst(kind: str, url: str, quota: Quota | None, calls: int = CALLS, **kw: Any) -> None:
     """``calls`` requests at once, each through its own gateway (factories make one per run)."""
     client = _client(kind, url)
-    make = OpenAIGateway if kind == "openai" else AnthropicGateway
-    gateways = [make("m", client=client, quota=quota) for _ in range(calls)]
-    request = ModelRequest(messages=(Message(role="user", content="hi"),))
+    gateways = [_gateway(kind, client, quota, **kw) for _ in range(calls)]
     try:
         await asyncio.gather(
-            *(g.complete(request, idempotency_key=f"k{i}") for i, g in enumerate(gateways))
+            *(g.complete(REQUEST, idempotency_key=f"r{i}:m1:f") for i, g in enumerate(gateways))
         )
     finally:
         await client.close()
 
 
+async def _until(condition: Any, timeout: float = 20.0) -> None:
+    """Wait on the loop (bounded) until ``condition()`` holds."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
 @pytest.mark.parametrize("kind", ["openai", "anthropic"])
 async def test_one_quota_caps_requests_in_flight_across_gateways(
-    server: CountingServer, kind: str
+    server: CountingProvider, kind: str
 ) -> None:
+    """200 gateways sharing Quota(max_concurrent=8) never have more than 8 at the server."""
     await _burst(kind, server.url, Quota(max_concurrent=CAP))
     assert server.served == CALLS
     assert server.most <= CAP
 
 
 @pytest.mark.parametrize("kind", ["openai", "anthropic"])
-async def test_without_a_quota_the_burst_exceeds_the_cap(server: CountingServer, kind: str) -> None:
+async def test_without_a_quota_the_burst_exceeds_the_cap(
+    server: CountingProvider, kind: str
+) -> None:
+    """The control: without a quota the same burst puts more than 8 in flight."""
     await _burst(kind, server.url, None)
     assert server.served == CALLS
     assert server.most > CAP
 
 
-def test_one_quota_serves_event_loops_one_after_another(server: CountingServer) -> None:
+def test_one_quota_serves_event_loops_one_after_another(server: CountingProvider) -> None:
+    """A quota made once serves every event loop the process runs in turn."""
     quota = Quota(max_concurrent=CAP)
     for _ in range(2):
         asyncio.run(_burst("openai", server.url, quota, calls=40))
@@ -162,30 +98,139 @@ def test_one_quota_serves_event_loops_one_after_another(server: CountingServer) 
     assert server.most <= CAP
 
 
-@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "8"])
-def test_a_bad_max_concurrent_is_a_usage_error(bad: Any) -> None:
-    with pytest.raises(UsageError, match="max_concurrent"):
-        Quota(max_concurrent=bad)
+# -- requests per minute ------------------------------------------------------------------
 
 
-async def test_a_429_is_retried_with_the_same_key_and_body_and_exhausted_is_unavailable() -> None:
-    """Today's 429 policy (the SDK's retries, honouring retry-after-ms) under a quota."""
-    from asiento.gateways import ModelUnavailable
+async def _runs(kind: str, url: str, quota: Quota, db: Path, n: int) -> AsyncIterator[Any]:
+    """``n`` runs at once on one SQLite journal, each with its own gateway; yields the tasks."""
+    client = _client(kind, url)
+    store = SqliteCheckpointer(db)
+    agent = Agent(instructions="answer")
 
-    from .fake_servers import Answer, FakeProvider
+    async def one(i: int) -> list[Any]:
+        session = Session(f"run-{i}", _gateway(kind, client, quota), store)
+        return [step async for step in agent.run("hi", session=session)]
 
-    request = ModelRequest(messages=(Message(role="user", content="hi"),))
-    with FakeProvider([Answer(text="ok"), Answer(text="ok")]) as provider:
-        async with OpenAIGateway(
-            "m", base_url=provider.openai_url, api_key="k", max_retries=2, quota=Quota(1)
-        ) as gw:
-            provider.fail_next(2, 429)
-            await gw.complete(request, idempotency_key="run:m1:abc")
-            tried = provider.requests[:3]
-            assert {r.key for r in tried} == {"run:m1:abc"}
-            assert len({json.dumps(r.body, sort_keys=True) for r in tried}) == 1
-            assert len({r.size for r in tried}) == 1
-            provider.fail_next(3, 429)
-            with pytest.raises(ModelUnavailable) as caught:
-                await gw.complete(request, idempotency_key="run:m2:def")
-    assert caught.value.status == 429
+    tasks = [asyncio.create_task(one(i)) for i in range(n)]
+    try:
+        yield tasks
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await store.close()
+        await client.close()
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+async def test_requests_per_minute_hold_the_runs_past_the_limit_without_blocking_the_loop(
+    server: CountingProvider, kind: str, tmp_path: Path
+) -> None:
+    """12 runs sharing requests_per_minute=5: exactly 5 reach the server this minute, the
+    other 7 wait on the loop (which keeps running) and, cancelled, never send anything."""
+    quota = Quota(requests_per_minute=5)
+    runs = _runs(kind, server.url, quota, tmp_path / "runs.db", 12)
+    tasks = await anext(runs)
+    try:
+        await _until(lambda: sum(t.done() for t in tasks) == 5)
+        ticks = 0
+        for _ in range(int(GRACE / 0.01)):  # the loop turns while seven runs wait
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert ticks == int(GRACE / 0.01)
+        assert server.arrived() == 5
+        assert all(isinstance(t.result()[-1], FinalStep) for t in tasks if t.done())
+        assert sum(not t.done() for t in tasks) == 7
+    finally:
+        await runs.aclose()
+    await asyncio.sleep(GRACE)
+    assert server.arrived() == 5  # the cancelled waiters sent nothing
+
+
+async def test_requests_per_minute_are_counted_over_a_sliding_window(
+    server: CountingProvider,
+) -> None:
+    """requests_per_minute=120 over window=1.5 s admits 3 per window: 9 calls arrive in
+    groups, no 4 of them closer than half a window (the server's own clock)."""
+    await _burst("openai", server.url, Quota(requests_per_minute=120, window=1.5), calls=9)
+    assert server.served == 9
+    times = [t for t, _, _ in server.arrivals]
+    assert all(later - first >= 0.75 for first, later in zip(times, times[3:], strict=False))
+
+
+# -- tokens per minute ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "output_limit"),
+    [("openai", {"max_completion_tokens": 1000}), ("anthropic", {"max_tokens": 1000})],
+)
+async def test_tokens_per_minute_reserve_the_estimate_and_keep_the_usage(
+    kind: str, output_limit: dict[str, int]
+) -> None:
+    """tokens_per_minute=2500 with requests reckoned at ~1020 tokens: never 3 in flight
+    (3 estimates do not fit), yet all 30 are served within the minute, because each answer
+    corrects its reservation to the 2 tokens the server billed."""
+    with CountingProvider(crowd=2, hold=0.05) as server:
+        await _burst(kind, server.url, Quota(tokens_per_minute=2500), calls=30, **output_limit)
+    assert server.served == 30
+    assert server.most <= 2
+
+
+def test_the_estimate_is_the_body_over_four_plus_the_most_output() -> None:
+    """The documented rule: characters of the JSON body / 4 (rounded up), plus the largest
+    output limit the request sets."""
+    params: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "x" * 401}]}
+
+    def chars(p: dict[str, Any]) -> int:
+        return -(-len(json.dumps(p)) // 4)
+
+    assert estimate_tokens(params) == chars(params)
+    both = params | {"max_tokens": 1000, "max_completion_tokens": 10}
+    assert estimate_tokens(both) == chars(both) + 1000
+    responses = params | {"max_output_tokens": 500}
+    assert estimate_tokens(responses) == chars(responses) + 500
+
+
+async def test_a_cancelled_waiter_takes_no_tokens_and_a_settled_answer_gives_them_back() -> None:
+    """A waiter cancelled in the queue holds nothing; a settle wakes the next waiter at once
+    (without either, the last reservation would wait the rest of the minute)."""
+    quota = Quota(tokens_per_minute=300)
+
+    async def reserve(tokens: int) -> Any:
+        async with quota.slot(tokens) as reservation:
+            return reservation
+
+    first = await reserve(200)
+    cancelled = asyncio.create_task(reserve(200))
+    waiting = asyncio.create_task(reserve(250))
+    await asyncio.sleep(0.05)
+    assert not cancelled.done()
+    cancelled.cancel()
+    await asyncio.sleep(0.05)  # the 250 is first in the queue now, and 200 + 250 > 300
+    assert not waiting.done()
+    first.settle(0)  # the answer cost nothing: 300 free again, and 250 fits
+    async with asyncio.timeout(10):  # the window is 60 s: only the settle lets it in
+        await waiting
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_concurrent": 0},
+        {"max_concurrent": 1.5},
+        {"max_concurrent": True},
+        {"max_concurrent": "8"},
+        {"requests_per_minute": 0},
+        {"requests_per_minute": -5},
+        {"tokens_per_minute": 2.5},
+        {"tokens_per_minute": False},
+        {"window": 0},
+        {"window": "60"},
+    ],
+)
+def test_a_bad_limit_is_a_usage_error_that_names_it(bad: dict[str, Any]) -> None:
+    """Each bad value is refused with the parameter's name in the message."""
+    (name,) = bad
+    with pytest.raises(UsageError, match=name):
+        Quota(**bad)

@@ -37,6 +37,7 @@ from ..decisions import resolve as resolve_step
 from ..decisions import unpark as unpark_run
 from ..errors import AsientoError, UsageError
 from ..events import RunInfo, RunStatus, StepEvent
+from ..gateways.quota import Quota
 from ..journal.base import Checkpointer
 from ..journal.url import open_existing, shown
 from . import _render
@@ -630,6 +631,25 @@ def worker(store: str, target: str, poll: float, until_idle: bool, concurrency: 
     help="Seconds a key in flight stays claimed past its proxy's last renewal (renewed "
     "every third of it while the upstream call is alive).",
 )
+@click.option(
+    "--max-concurrent",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Most requests in flight upstream at once, all clients together (default: no cap).",
+)
+@click.option(
+    "--requests-per-minute",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Most requests sent upstream per minute, all clients together (default: no cap).",
+)
+@click.option(
+    "--tokens-per-minute",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Most tokens sent upstream per minute, estimated before each request and corrected "
+    "by its usage (default: no cap).",
+)
 def gateway(
     upstream: str,
     db: str,
@@ -640,6 +660,9 @@ def gateway(
     upstream_timeout: float,
     read_timeout: float | None,
     lease: float,
+    max_concurrent: int | None,
+    requests_per_minute: int | None,
+    tokens_per_minute: int | None,
 ) -> None:
     """Run an OpenAI-compatible proxy that honours Idempotency-Key durably.
 
@@ -664,6 +687,14 @@ def gateway(
             upstream_timeout=upstream_timeout,
             read_timeout=read_timeout,
             lease=lease,
+            quota=_quota(max_concurrent, requests_per_minute, tokens_per_minute),
         )
     except (AsientoError, OSError) as exc:
         raise CommandError(str(exc)) from None
+
+
+def _quota(concurrent: int | None, rpm: int | None, tpm: int | None) -> Quota | None:
+    """The proxy's limits on what it sends upstream; None when none is given."""
+    if (concurrent, rpm, tpm) == (None, None, None):
+        return None
+    return Quota(concurrent, requests_per_minute=rpm, tokens_per_minute=tpm)

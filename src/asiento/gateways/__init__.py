@@ -14,10 +14,17 @@ import re
 from typing import Any
 
 from ..errors import UsageError
-from ._errors import ModelCallFailed, ModelRequestRejected, ModelResponseInvalid, ModelUnavailable
+from ._errors import (
+    ModelCallFailed,
+    ModelRequestRejected,
+    ModelResponseInvalid,
+    ModelUnavailable,
+    RateLimited,
+)
 from .anthropic import AnthropicGateway
 from .openai import Api, OpenAIGateway
 from .quota import Quota
+from .rate_limit import RateLimitPolicy
 
 __all__ = [
     "API_KEY_ENV",
@@ -29,6 +36,8 @@ __all__ = [
     "ModelUnavailable",
     "OpenAIGateway",
     "Quota",
+    "RateLimitPolicy",
+    "RateLimited",
     "gateway_from_string",
 ]
 

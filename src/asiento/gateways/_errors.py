@@ -4,6 +4,7 @@
     └── ModelCallFailed          a model step got no answer that can be recorded
         ├── ModelRequestRejected the provider said the request is wrong (a 4xx): fix, resume
         ├── ModelUnavailable     rate limits, 5xx or the network outlasted the retries: resume
+        │   └── RateLimited      the provider's 429s outlasted asiento's retries: resume later
         └── ModelResponseInvalid the model's answer cannot be parsed: it is never recorded
 
 None of them records anything: the step stays without a result, so running
@@ -53,6 +54,16 @@ class ModelUnavailable(ModelCallFailed):
     """Rate limits, server errors or the network outlasted the retries."""
 
 
+class RateLimited(ModelUnavailable):
+    """The provider kept answering 429 (its rate limit) past asiento's retries.
+
+    ``retries`` is how many times the request was sent again. Nothing was paid:
+    a 429 is not processed.
+    """
+
+    retries: int = 0
+
+
 class ModelResponseInvalid(ModelCallFailed):
     """The model's answer cannot be recorded and replayed: its fault, not the caller's."""
 
@@ -99,6 +110,23 @@ def unavailable(
         status=status,
         request_id=request_id,
     )
+
+
+def rate_limited(
+    provider: str, key: str, message: str, retries: int, request_id: str | None
+) -> RateLimited:
+    """The error when 429s outlasted the retries: nothing paid, resume later or lower the pace."""
+    error = RateLimited(
+        key,
+        f"{provider} kept refusing the request with 429 (rate limited: {_short(message)}) "
+        f"after {retries} retries. Nothing was recorded or paid for this step; run the same "
+        "run_id again later to resume here (the request carries the same idempotency key), "
+        "or lower the pace with a Quota (requests_per_minute, tokens_per_minute)",
+        status=429,
+        request_id=request_id,
+    )
+    error.retries = retries
+    return error
 
 
 def invalid(provider: str, key: str, detail: str, request_id: str | None) -> ModelResponseInvalid:

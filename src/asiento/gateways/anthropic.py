@@ -1,8 +1,9 @@
 """``AnthropicGateway``: Claude through the Messages API, on the official ``anthropic`` SDK.
 
-The SDK is imported only when a gateway is made. Every attempt, the SDK's own
-retries included, carries the step's key in the ``Idempotency-Key`` header;
-Anthropic ignores it, the journal and ``asiento gateway`` honour it.
+The SDK is imported only when a gateway is made. Every attempt (the SDK's own
+retries, and asiento's retries of a 429: ``rate_limit``) carries the step's key
+in the ``Idempotency-Key`` header; Anthropic ignores it, the journal and
+``asiento gateway`` honour it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from ._errors import (
     unavailable,
     usage_fields,
 )
-from .quota import Quota
+from .quota import Quota, estimate_tokens
+from .rate_limit import RateLimitPolicy, send, settled, take_429s
 
 if TYPE_CHECKING:
     from anthropic import AsyncAnthropic
@@ -43,7 +45,9 @@ class AnthropicGateway(OwnedClient):
     ``client`` to use an ``AsyncAnthropic`` of your own; otherwise one is made
     from ``base_url``, ``api_key`` (default: the SDK's ``ANTHROPIC_API_KEY``),
     ``max_retries`` and ``timeout``, and ``aclose()`` closes it. ``quota`` (one
-    ``Quota`` shared by many gateways) caps the requests in flight across them.
+    ``Quota`` shared by many gateways) limits the requests across them;
+    ``rate_limits`` says how a 429 is retried (``RateLimitPolicy``; the SDK's
+    ``max_retries`` no longer applies to 429s).
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class AnthropicGateway(OwnedClient):
         timeout: float = 600.0,
         options: Mapping[str, Any] | None = None,
         quota: Quota | None = None,
+        rate_limits: RateLimitPolicy | None = None,
     ) -> None:
         if not isinstance(model, str) or not model:
             raise UsageError("AnthropicGateway(model) must be a non-empty str")
@@ -67,24 +72,39 @@ class AnthropicGateway(OwnedClient):
         self.options = dict(options or {})
         self._owned = client is None
         self.quota = quota or Quota()
+        self.rate_limits = rate_limits or RateLimitPolicy()
         self.client = client or _make_client(base_url, api_key, max_retries, timeout)
+        take_429s(self.client)
         url = str(self.client.base_url)
         self.provider = "Anthropic" if "api.anthropic.com" in url else f"Anthropic at {url}"
 
     async def complete(self, request: ModelRequest, *, idempotency_key: str) -> ModelResponse:
-        """Ask once (the SDK retries transient failures with the same key); parse strictly."""
+        """Ask under the quota, a 429 retried by asiento's policy and the rest by the SDK
+        (the same key every time); parse strictly."""
         import anthropic
 
+        params = self._params(request)
+
+        async def attempt() -> tuple[Any, bytes]:
+            raw = await self.client.messages.with_raw_response.create(
+                **params, extra_headers=key_header(idempotency_key)
+            )
+            return raw, await raw.read()
+
         try:
-            async with self.quota.slot():
-                raw = await self.client.messages.with_raw_response.create(
-                    **self._params(request), extra_headers=key_header(idempotency_key)
-                )
-                content = await raw.read()
+            sent = await send(
+                attempt,
+                quota=self.quota,
+                policy=self.rate_limits,
+                tokens=estimate_tokens(params) if self.quota.limits_rate else 0,
+                provider=self.provider,
+                key=idempotency_key,
+            )
         except anthropic.APIStatusError as exc:
             raise status_error(self.provider, idempotency_key, exc) from exc
         except anthropic.APIConnectionError as exc:
             raise unavailable(self.provider, idempotency_key, str(exc)) from exc
+        raw, content = sent.value
         response = read_answer(
             parse_message,
             content,
@@ -92,7 +112,7 @@ class AnthropicGateway(OwnedClient):
             key=idempotency_key,
             request_id=raw.request_id,
         )
-        return answered(response)
+        return answered(settled(response, sent))
 
     def _params(self, request: ModelRequest) -> dict[str, Any]:
         params: dict[str, Any] = {

@@ -1,8 +1,8 @@
 """``OpenAIGateway``: OpenAI (Chat Completions or Responses) and OpenAI-compatible servers.
 
 Built on the official ``openai`` SDK, imported only when a gateway is made.
-Every attempt, the SDK's own retries included, carries the step's key in the
-``Idempotency-Key`` header: the SDK reuses a request's headers on each retry.
+Every attempt (the SDK's own retries, and asiento's retries of a 429:
+``rate_limit``) carries the step's key in the ``Idempotency-Key`` header.
 OpenAI ignores the header; the journal and ``asiento gateway`` honour it.
 """
 
@@ -27,7 +27,8 @@ from ._errors import (
     unavailable,
     usage_fields,
 )
-from .quota import Quota
+from .quota import Quota, estimate_tokens
+from .rate_limit import RateLimitPolicy, send, settled, take_429s
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -46,7 +47,9 @@ class OpenAIGateway(OwnedClient):
     your own (its retries and timeout then apply); otherwise one is made from
     ``base_url``, ``api_key`` (default: the SDK's ``OPENAI_API_KEY``),
     ``max_retries`` and ``timeout``, and ``aclose()`` closes it. ``quota`` (one
-    ``Quota`` shared by many gateways) caps the requests in flight across them.
+    ``Quota`` shared by many gateways) limits the requests across them;
+    ``rate_limits`` says how a 429 is retried (``RateLimitPolicy``; the SDK's
+    ``max_retries`` no longer applies to 429s).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class OpenAIGateway(OwnedClient):
         timeout: float = 600.0,
         options: Mapping[str, Any] | None = None,
         quota: Quota | None = None,
+        rate_limits: RateLimitPolicy | None = None,
     ) -> None:
         if not isinstance(model, str) or not model:
             raise UsageError("OpenAIGateway(model) must be a non-empty str, such as 'gpt-4o'")
@@ -70,39 +74,51 @@ class OpenAIGateway(OwnedClient):
         self.options = dict(options or {})
         self._owned = client is None
         self.quota = quota or Quota()
+        self.rate_limits = rate_limits or RateLimitPolicy()
         self.client = client or _make_client(base_url, api_key, max_retries, timeout)
+        take_429s(self.client)
         url = str(self.client.base_url)
         official = "api.openai.com" in url
         self.provider = "OpenAI" if official else f"the OpenAI-compatible server at {url}"
 
     async def complete(self, request: ModelRequest, *, idempotency_key: str) -> ModelResponse:
-        """Ask once (the SDK retries transient failures with the same key); parse strictly."""
+        """Ask under the quota, a 429 retried by asiento's policy and the rest by the SDK
+        (the same key every time); parse strictly."""
         import openai
 
-        headers = key_header(idempotency_key)
+        chat = self.api == "chat"
+        params = self._chat_params(request) if chat else self._responses_params(request)
+        create = (
+            self.client.chat.completions.with_raw_response.create
+            if chat
+            else self.client.responses.with_raw_response.create
+        )
+
+        async def attempt() -> Any:
+            return await create(**params, extra_headers=key_header(idempotency_key))
+
         try:
-            async with self.quota.slot():
-                if self.api == "chat":
-                    raw = await self.client.chat.completions.with_raw_response.create(
-                        **self._chat_params(request), extra_headers=headers
-                    )
-                else:
-                    raw = await self.client.responses.with_raw_response.create(
-                        **self._responses_params(request), extra_headers=headers
-                    )
+            sent = await send(
+                attempt,
+                quota=self.quota,
+                policy=self.rate_limits,
+                tokens=estimate_tokens(params) if self.quota.limits_rate else 0,
+                provider=self.provider,
+                key=idempotency_key,
+            )
         except openai.APIStatusError as exc:
             raise status_error(self.provider, idempotency_key, exc) from exc
         except openai.APIConnectionError as exc:
             raise unavailable(self.provider, idempotency_key, str(exc)) from exc
-        parse = parse_chat if self.api == "chat" else parse_responses
+        raw = sent.value
         response = read_answer(
-            parse,
+            parse_chat if chat else parse_responses,
             raw.http_response.content,
             provider=self.provider,
             key=idempotency_key,
             request_id=raw.request_id,
         )
-        return answered(response)
+        return answered(settled(response, sent))
 
     def _chat_params(self, request: ModelRequest) -> dict[str, Any]:
         params: dict[str, Any] = {"model": self.model, "messages": chat_messages(request)}

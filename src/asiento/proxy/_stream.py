@@ -9,7 +9,7 @@ says so with ``Asiento-Gateway: passthrough-stream``.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import httpx
 from starlette.responses import StreamingResponse
@@ -31,17 +31,27 @@ def wants_stream(body: bytes) -> bool:
 class PassedThrough(StreamingResponse):
     """Upstream's answer relayed as it arrives; upstream is closed however the relay ends."""
 
-    def __init__(self, upstream: httpx.Response, dropped: frozenset[str]) -> None:
+    def __init__(
+        self,
+        upstream: httpx.Response,
+        dropped: frozenset[str],
+        *,
+        on_close: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         headers = _kept(upstream.headers, dropped) | {PASSTHROUGH_HEADER: PASSTHROUGH}
         super().__init__(upstream.aiter_bytes(), upstream.status_code, headers=headers)
-        self._upstream = upstream
+        self._upstream, self._on_close = upstream, on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # A client that goes away ends the relay; closing the stream tells upstream.
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._upstream.aclose()
+            try:
+                await self._upstream.aclose()
+            finally:
+                if self._on_close is not None:
+                    await self._on_close()  # the quota's place in flight is given back
 
 
 def _kept(headers: Mapping[str, str], dropped: frozenset[str]) -> dict[str, str]:

@@ -67,6 +67,7 @@ from ..errors import AsientoError
 from ..gateways._errors import ModelResponseInvalid, read_answer
 from ..gateways.anthropic import parse_message
 from ..gateways.openai import parse_chat, parse_responses
+from ..gateways.quota import CHARS_PER_TOKEN, Quota, Reservation, estimate_tokens
 from ..lease import Holder, is_dead_here
 from ._recording import Recording
 from ._stream import PassedThrough, wants_stream
@@ -297,10 +298,12 @@ class IdempotencyProxy:
         *,
         wait: float,
         upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT,
+        quota: Quota | None = None,
     ) -> None:
         self.upstream = upstream.rstrip("/")
         self.store, self.client, self.wait = store, client, wait
         self.upstream_timeout = upstream_timeout
+        self.quota = quota or Quota()
         self.stats = ProxyStats()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._live: dict[tuple[str, str], Recording] = {}  # streams this process is reading
@@ -483,6 +486,14 @@ class IdempotencyProxy:
         return _response(await self._send(request, body))
 
     async def _send(self, request: Request, body: bytes) -> Stored | Response:
+        """One upstream call under the proxy's quota; its tokens corrected to its usage."""
+        async with self.quota.slot(_estimate(self.quota, body)) as reservation:
+            answer = await self._send_now(request, body)
+        if isinstance(answer, Stored):
+            _settle(reservation, request.url.path, answer)
+        return answer
+
+    async def _send_now(self, request: Request, body: bytes) -> Stored | Response:
         """One upstream call, its whole answer within ``upstream_timeout``; failures are 5xx."""
         url, headers = self._upstream_request(request)
         self.stats.upstream_calls += 1
@@ -504,11 +515,17 @@ class IdempotencyProxy:
         self.stats.upstream_calls += 1
         self.stats.streams_passed_through += 1
         sent = self.client.build_request(request.method, url, content=body, headers=headers)
+        held = contextlib.AsyncExitStack()  # the quota's place, held until the relay ends
+        await held.enter_async_context(self.quota.slot(_estimate(self.quota, body)))
         try:
             upstream = await self.client.send(sent, stream=True)
-        except httpx.HTTPError as exc:
-            return _error(502, f"upstream {url} failed: {type(exc).__name__}: {exc}", "upstream")
-        return PassedThrough(upstream, _RESPONSE_DROP)
+        except BaseException as exc:
+            await held.aclose()
+            if isinstance(exc, httpx.HTTPError):
+                message = f"upstream {url} failed: {type(exc).__name__}: {exc}"
+                return _error(502, message, "upstream")
+            raise
+        return PassedThrough(upstream, _RESPONSE_DROP, on_close=held.aclose)
 
     def _upstream_request(self, request: Request) -> tuple[str, dict[str, str]]:
         url = self.upstream + request.url.path.removeprefix("/v1")
@@ -532,6 +549,7 @@ def create_app(
     upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT,
     read_timeout: float | None = None,
     lease: float = DEFAULT_LEASE,
+    quota: Quota | None = None,
 ) -> Starlette:
     """The proxy as an ASGI app; ``app.state.proxy`` is its ``IdempotencyProxy`` once started.
 
@@ -540,7 +558,9 @@ def create_app(
     ``/v1/chat/completions`` goes to ``{upstream}/chat/completions``.
     ``upstream_timeout`` bounds a whole answer; ``read_timeout`` (default: the same)
     each wait for upstream's next bytes; ``lease`` how long a claim outlives its
-    proxy's last renewal.
+    proxy's last renewal. ``quota`` limits what the proxy sends upstream, all
+    requests and clients together (a 429 from upstream is relayed to the client,
+    whose gateway retries it).
     """
     read_timeout = upstream_timeout if read_timeout is None else read_timeout
     if min(ttl, wait, upstream_timeout, read_timeout, lease) <= 0:
@@ -556,7 +576,7 @@ def create_app(
         timeout = httpx.Timeout(read_timeout, connect=min(read_timeout, 30.0))
         async with httpx.AsyncClient(timeout=timeout) as client:
             proxy = IdempotencyProxy(
-                upstream, store, client, wait=wait, upstream_timeout=upstream_timeout
+                upstream, store, client, wait=wait, upstream_timeout=upstream_timeout, quota=quota
             )
             app.state.proxy = proxy
             try:
@@ -585,6 +605,7 @@ def serve(
     upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT,
     read_timeout: float | None = None,
     lease: float = DEFAULT_LEASE,
+    quota: Quota | None = None,
     log_level: str = "warning",
 ) -> None:
     """Run the proxy until interrupted; print the URL clients use (``port=0``: a free one)."""
@@ -598,6 +619,7 @@ def serve(
         upstream_timeout=upstream_timeout,
         read_timeout=read_timeout,
         lease=lease,
+        quota=quota,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -605,8 +627,10 @@ def serve(
     sock.listen(2048)  # connectable from the moment the URL is printed
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
+    limits = f", {quota}" if quota is not None else ""
     print(
-        f"asiento gateway: http://{shown}:{bound}/v1 -> {upstream} (keys in {db}, ttl {ttl:g}s)",
+        f"asiento gateway: http://{shown}:{bound}/v1 -> {upstream} (keys in {db}, ttl {ttl:g}s"
+        f"{limits})",
         file=sys.stderr,
         flush=True,
     )
@@ -629,6 +653,35 @@ def _recordable(path: str, answer: Stored) -> bool:
     except ModelResponseInvalid:
         return False
     return True
+
+
+def _estimate(quota: Quota, body: bytes) -> int:
+    """The request's tokens by the quota's rule (``estimate_tokens``), when tokens are limited."""
+    if quota.tokens_per_minute is None:
+        return 0
+    try:
+        params = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        params = None
+    if not isinstance(params, dict):
+        return -(-len(body) // CHARS_PER_TOKEN)
+    return estimate_tokens(params)
+
+
+def _settle(reservation: Reservation, path: str, answer: Stored) -> None:
+    """Hold the answer's usage instead of the estimate; a 429 gives its tokens back."""
+    if answer.status == 429:
+        reservation.refund()
+        return
+    if path not in PARSERS or not 200 <= answer.status < 300:
+        return
+    try:
+        usage = read_answer(
+            PARSERS[path], answer.body, provider="upstream", key="proxy", request_id=None
+        ).usage
+    except ModelResponseInvalid:
+        return
+    reservation.settle(usage.input_tokens + usage.output_tokens)
 
 
 def _response(answer: Stored | Response) -> Response:
