@@ -104,7 +104,7 @@ class _Knobs:
     garbage: deque[bytes] = field(default_factory=deque)
     delays: dict[int, float] = field(default_factory=dict)  # turn -> seconds, used once
     trickles: dict[int, float] = field(default_factory=dict)  # turn -> seconds, used once
-    holds: deque[threading.Event] = field(default_factory=deque)
+    holds: deque[tuple[threading.Event, int]] = field(default_factory=deque)
     cuts: deque[int] = field(default_factory=deque)  # a stream drops before its N-th event
 
 
@@ -160,11 +160,12 @@ class FakeProvider:
         with self._lock:
             self._knobs.trickles[turn] = seconds
 
-    def hold_stream(self) -> threading.Event:
-        """The next stream stops after its first event until the returned event is set."""
+    def hold_stream(self, after: int = 0) -> threading.Event:
+        """The next stream stops after its event number ``after`` (0: the first) until the
+        returned event is set."""
         go_on = threading.Event()
         with self._lock:
-            self._knobs.holds.append(go_on)
+            self._knobs.holds.append((go_on, after))
         return go_on
 
     def cut_next_stream(self, before_event: int) -> None:
@@ -256,8 +257,8 @@ class FakeProvider:
             if cut is not None and i == cut:
                 raise _CutStream  # the connection drops without the chunked terminator
             yield event
-            if i == 0 and hold is not None:
-                hold.wait(timeout=30)
+            if hold is not None and i == hold[1]:
+                hold[0].wait(timeout=30)
 
 
 def _handler(provider: FakeProvider) -> type[BaseHTTPRequestHandler]:
@@ -530,10 +531,14 @@ def _chat_chunks(completion: dict) -> Iterator[dict]:
         return head | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
     yield chunk({"role": "assistant", "content": ""})
-    if message["content"]:
-        yield chunk({"content": message["content"]})
+    for piece in _pieces(message["content"] or ""):
+        yield chunk({"content": piece})
     for i, call in enumerate(message.get("tool_calls") or []):
-        yield chunk({"tool_calls": [call | {"index": i}]})
+        function = call["function"]
+        head_of_call = call | {"index": i, "function": {"name": function["name"], "arguments": ""}}
+        yield chunk({"tool_calls": [head_of_call]})
+        for piece in _pieces(function["arguments"]):
+            yield chunk({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
     yield chunk({}, choice["finish_reason"])
     yield head | {"choices": [], "usage": completion["usage"]}
 

@@ -10,10 +10,53 @@ A stream that ends before its last event has no body: it was cut.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
+from ..model import ModelResponse
 from ..streaming import StreamPart, TextPart, ToolCallPart
+from ._errors import Parser, answer_from, answered, unavailable
+from .quota import Quota
+from .rate_limit import RateLimitPolicy, holding, settled
+
+
+async def streamed(
+    open_stream: Callable[[], Awaitable[Any]],
+    assembler: Assembler,
+    parse: Parser,
+    *,
+    quota: Quota,
+    policy: RateLimitPolicy,
+    tokens: int,
+    provider: str,
+    key: str,
+) -> AsyncIterator[StreamPart | ModelResponse]:
+    """One streamed call: its parts as they come, then its answer, parsed as a plain one.
+
+    ``open_stream()`` opens the SDK's stream (a 429 there is retried by the policy,
+    the same key and body); the quota's place is held until the stream is read.
+    """
+    async with holding(
+        open_stream, quota=quota, policy=policy, tokens=tokens, provider=provider, key=key
+    ) as sent:
+        stream = sent.value
+        async with stream:  # closes the HTTP response however the reading ends
+            async for event in stream:
+                for part in assembler.feed(event.model_dump()):
+                    yield part
+        body = assembler.body()
+        response = getattr(stream, "response", None)
+        request_id = _request_id(getattr(response, "headers", None))
+    if body is None:
+        raise unavailable(provider, key, "the stream ended before its last event (cut short)")
+    answer = answer_from(parse, body, provider=provider, key=key, request_id=request_id)
+    yield answered(settled(answer, sent))
+
+
+def _request_id(headers: Mapping[str, str] | None) -> str | None:
+    if not headers:
+        return None
+    return headers.get("x-request-id") or headers.get("request-id")
 
 
 class Assembler(Protocol):
@@ -174,7 +217,8 @@ class MessagesAssembler:
         if block.get("type") == "tool_use":
             self._inputs[index] = []
             call = self._calls[index] = len(self._calls)
-            return [ToolCallPart(index=call, call_id=block.get("id") or None, name=block.get("name"))]
+            name = block.get("name")
+            return [ToolCallPart(index=call, call_id=block.get("id") or None, name=name)]
         return []
 
     def _delta(self, index: int, delta: Mapping[str, Any]) -> list[StreamPart]:

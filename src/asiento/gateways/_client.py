@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from types import TracebackType
 from typing import Any, Self
+
+import httpx
 
 
 class OwnedClient:
@@ -24,3 +27,16 @@ class OwnedClient:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.aclose()
+
+
+def transport_errors(client: Any) -> tuple[type[Exception], ...]:
+    """The HTTP library's errors under an SDK client: httpx's, and those of the library its
+    own HTTP client comes from (newer SDKs use ``httpx2``). A stream cut mid-way raises
+    them as they are: the SDK wraps only the errors of sending the request."""
+    errors: list[type[Exception]] = [httpx.HTTPError]
+    for cls in type(getattr(client, "_client", None)).__mro__:
+        module = sys.modules.get(cls.__module__.partition(".")[0])
+        extra = getattr(module, "HTTPError", None)
+        if isinstance(extra, type) and issubclass(extra, Exception) and extra not in errors:
+            errors.append(extra)
+    return tuple(errors)

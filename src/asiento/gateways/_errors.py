@@ -159,6 +159,13 @@ def read_answer(
     model's fault, so nothing a gateway returns can be refused later.
     """
     body = parse_body(provider, key, content, request_id)
+    return answer_from(parse, body, provider=provider, key=key, request_id=request_id)
+
+
+def answer_from(
+    parse: Parser, body: Mapping[str, Any], *, provider: str, key: str, request_id: str | None
+) -> ModelResponse:
+    """``read_answer`` for a body already decoded (a streamed answer, assembled)."""
     request_id = request_id or nonempty(body.get("id"))
     response = parse(body, provider=provider, key=key, request_id=request_id)
     try:

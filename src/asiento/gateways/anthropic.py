@@ -9,13 +9,15 @@ in the ``Idempotency-Key`` header; Anthropic ignores it, the journal and
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._canonical import key_header
 from ..errors import UsageError
 from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
-from ._client import OwnedClient
+from ..streaming import StreamPart
+from ._assembly import MessagesAssembler, streamed
+from ._client import OwnedClient, transport_errors
 from ._errors import (
     answered,
     invalid,
@@ -113,6 +115,42 @@ class AnthropicGateway(OwnedClient):
             request_id=raw.request_id,
         )
         return answered(settled(response, sent))
+
+    async def stream(
+        self, request: ModelRequest, *, idempotency_key: str
+    ) -> AsyncIterator[StreamPart | ModelResponse]:
+        """``complete()`` streamed: the parts as the API sends them, then the same answer.
+
+        The message is assembled from its events (``message_start``, the content
+        blocks' deltas, ``message_delta`` with the usage) into the body a plain call
+        returns and parsed by the same parser.
+        """
+        import anthropic
+
+        lost: tuple[type[Exception], ...] = (anthropic.APIError, *transport_errors(self.client))
+        params = self._params(request) | {"stream": True}
+
+        async def open_stream() -> Any:
+            return await self.client.messages.create(
+                **params, extra_headers=key_header(idempotency_key)
+            )
+
+        try:
+            async for item in streamed(
+                open_stream,
+                MessagesAssembler(),
+                parse_message,
+                quota=self.quota,
+                policy=self.rate_limits,
+                tokens=estimate_tokens(params) if self.quota.limits_rate else 0,
+                provider=self.provider,
+                key=idempotency_key,
+            ):
+                yield item
+        except anthropic.APIStatusError as exc:
+            raise status_error(self.provider, idempotency_key, exc) from exc
+        except lost as exc:
+            raise unavailable(self.provider, idempotency_key, str(exc)) from exc
 
     def _params(self, request: ModelRequest) -> dict[str, Any]:
         params: dict[str, Any] = {

@@ -9,13 +9,15 @@ OpenAI ignores the header; the journal and ``asiento gateway`` honour it.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._canonical import key_header
 from ..errors import UsageError
 from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
-from ._client import OwnedClient
+from ..streaming import StreamPart
+from ._assembly import Assembler, ChatAssembler, ResponsesAssembler, streamed
+from ._client import OwnedClient, transport_errors
 from ._errors import (
     answered,
     invalid,
@@ -119,6 +121,57 @@ class OpenAIGateway(OwnedClient):
             request_id=raw.request_id,
         )
         return answered(settled(response, sent))
+
+    async def stream(
+        self, request: ModelRequest, *, idempotency_key: str
+    ) -> AsyncIterator[StreamPart | ModelResponse]:
+        """``complete()`` streamed: the parts as the API sends them, then the same answer.
+
+        The answer is assembled from the stream's events into the body a plain call
+        returns and parsed by the same parser; usage comes from the stream's last
+        events (Chat Completions is asked for it with ``stream_options``).
+        """
+        import openai
+
+        lost: tuple[type[Exception], ...] = (openai.APIError, *transport_errors(self.client))
+        assembler: Assembler
+        if self.api == "chat":
+            params = self._chat_params(request) | {
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            create, assembler, parse = (
+                self.client.chat.completions.create,
+                ChatAssembler(),
+                parse_chat,
+            )
+        else:
+            params = self._responses_params(request) | {"stream": True}
+            create, assembler, parse = (
+                self.client.responses.create,
+                ResponsesAssembler(),
+                parse_responses,
+            )
+
+        async def open_stream() -> Any:
+            return await create(**params, extra_headers=key_header(idempotency_key))
+
+        try:
+            async for item in streamed(
+                open_stream,
+                assembler,
+                parse,
+                quota=self.quota,
+                policy=self.rate_limits,
+                tokens=estimate_tokens(params) if self.quota.limits_rate else 0,
+                provider=self.provider,
+                key=idempotency_key,
+            ):
+                yield item
+        except openai.APIStatusError as exc:
+            raise status_error(self.provider, idempotency_key, exc) from exc
+        except lost as exc:
+            raise unavailable(self.provider, idempotency_key, str(exc)) from exc
 
     def _chat_params(self, request: ModelRequest) -> dict[str, Any]:
         params: dict[str, Any] = {"model": self.model, "messages": chat_messages(request)}

@@ -19,7 +19,8 @@ import email.utils
 import math
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
@@ -82,10 +83,27 @@ async def send(
     key: str,
 ) -> Sent[T]:
     """``attempt()`` under the quota, again after each 429, until answered or retries spent."""
+    async with holding(
+        attempt, quota=quota, policy=policy, tokens=tokens, provider=provider, key=key
+    ) as sent:
+        return sent
+
+
+@asynccontextmanager
+async def holding(
+    attempt: Callable[[], Awaitable[T]],
+    *,
+    quota: Quota,
+    policy: RateLimitPolicy,
+    tokens: int,
+    provider: str,
+    key: str,
+) -> AsyncIterator[Sent[T]]:
+    """``send``, keeping the quota's place for the body (a stream holds it while it is read)."""
     for retry in range(policy.retries + 1):
         async with quota.slot(tokens) as reservation:
             try:
-                return Sent(await attempt(), reservation, retry)
+                value = await attempt()
             except Exception as exc:
                 headers = _rate_limit_headers(exc)
                 if headers is None:
@@ -93,6 +111,9 @@ async def send(
                 reservation.refund()
                 if retry == policy.retries:
                     raise _exhausted(provider, key, exc, retry) from exc
+            else:
+                yield Sent(value, reservation, retry)
+                return
         await asyncio.sleep(policy.wait(retry, headers))
     raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
