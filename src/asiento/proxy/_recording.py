@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Mapping
 
 from starlette.responses import Response, StreamingResponse
 
+from ..errors import AsientoError
+
 # The event that ends a complete stream, per API (Chat Completions, Responses, Messages).
 _LAST_EVENT = {
     "/v1/chat/completions": (b"data: [DONE]",),
@@ -21,7 +23,7 @@ _LAST_EVENT = {
 }
 
 
-class StreamCut(Exception):
+class StreamCut(AsientoError):
     """Upstream's stream ended before its last event: the attached clients see it cut."""
 
 
