@@ -6,8 +6,6 @@ import sys
 from types import TracebackType
 from typing import Any, Self
 
-import httpx
-
 
 class OwnedClient:
     """Closes ``self.client`` on ``aclose()`` when the gateway made it (not when it was given)."""
@@ -33,6 +31,8 @@ def transport_errors(client: Any) -> tuple[type[Exception], ...]:
     """The HTTP library's errors under an SDK client: httpx's, and those of the library its
     own HTTP client comes from (newer SDKs use ``httpx2``). A stream cut mid-way raises
     them as they are: the SDK wraps only the errors of sending the request."""
+    import httpx  # here: importing asiento loads no HTTP library
+
     errors: list[type[Exception]] = [httpx.HTTPError]
     for cls in type(getattr(client, "_client", None)).__mro__:
         module = sys.modules.get(cls.__module__.partition(".")[0])
