@@ -1,0 +1,178 @@
+"""Time to first token: the official client straight at a local server, through
+``run(stream=True)``, and through ``asiento gateway``, measured in one run.
+
+    python bench/streaming.py            # 200 streams per path
+    python bench/streaming.py --quick    # 30 streams per path (a few seconds)
+
+The server (starlette + uvicorn on 127.0.0.1, in this process's threads) streams
+a Chat Completions answer of ``--chunks`` text chunks, as fast as it can. Each
+round asks once per path, in turn, so the paths share the machine's noise:
+
+- ``direct``: ``openai.AsyncOpenAI`` straight at the server, ``stream=True``;
+- ``run``: ``Agent.run(task, session=..., stream=True)`` with an ``OpenAIGateway``
+  at the same server and a SQLite journal (a new run each time: the lease is
+  taken, the journal read, then the request sent), up to the first ``Delta``;
+- ``proxy``: the official client through ``asiento gateway`` (a new key each
+  time: the claim is committed before the request goes upstream).
+
+Printed: medians and p90 of time to first token and total time, and what each
+path adds to ``direct``. Figures, never pass/fail: targets (issue 16) are under
+2 ms added at the median through ``run()``, under 5 ms through the proxy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import openai
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from asiento import Agent, Delta, Session, SqliteCheckpointer
+from asiento.gateways import OpenAIGateway
+from asiento.proxy import create_app
+
+PLAZO = 120.0  # no path may take longer than this in all
+
+
+def chat_app(chunks: int) -> Starlette:
+    """A Chat Completions server that streams ``chunks`` pieces of text, then usage."""
+
+    async def completions(request: Request) -> StreamingResponse:
+        await request.body()
+
+        async def events() -> AsyncIterator[bytes]:
+            head = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "m"}
+            for i in range(chunks):
+                delta = {"content": f"w{i} "} if i else {"role": "assistant", "content": "w0 "}
+                choice = {"index": 0, "delta": delta, "finish_reason": None}
+                yield b"data: " + json.dumps(head | {"choices": [choice]}).encode() + b"\n\n"
+            end = {"index": 0, "delta": {}, "finish_reason": "stop"}
+            yield b"data: " + json.dumps(head | {"choices": [end]}).encode() + b"\n\n"
+            usage = {"prompt_tokens": 10, "completion_tokens": chunks, "total_tokens": 10 + chunks}
+            yield b"data: " + json.dumps(head | {"choices": [], "usage": usage}).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"])])
+
+
+@contextmanager
+def serving(app: Any) -> Iterator[str]:
+    """``app`` on a free 127.0.0.1 port, in a thread; its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+async def direct(client: openai.AsyncOpenAI, key: str) -> tuple[float, float]:
+    start = time.perf_counter()
+    first = None
+    stream = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
+        extra_headers={"Idempotency-Key": key},
+    )  # fmt: skip
+    async for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return (first or end) - start, end - start
+
+
+async def through_run(
+    gateway: OpenAIGateway, store: SqliteCheckpointer, run_id: str
+) -> tuple[float, float]:
+    start = time.perf_counter()
+    first = None
+    session = Session(run_id, gateway, store)
+    async for item in Agent().run("hi", session=session, stream=True):
+        if first is None and isinstance(item, Delta) and item.text:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return (first or end) - start, end - start
+
+
+def summary(name: str, samples: list[tuple[float, float]], base: list[tuple[float, float]]) -> str:
+    ttft = sorted(s[0] * 1000 for s in samples)
+    total = sorted(s[1] * 1000 for s in samples)
+    added = statistics.median(ttft) - statistics.median(s[0] * 1000 for s in base)
+    p90 = ttft[int(0.9 * (len(ttft) - 1))]
+    return (
+        f"{name:<8} {statistics.median(ttft):>10.2f} {p90:>8.2f} "
+        f"{statistics.median(total):>11.2f} {added:>+12.2f}"
+    )
+
+
+async def measure(
+    url: str, proxy_url: str, db: Path, n: int
+) -> dict[str, list[tuple[float, float]]]:
+    results: dict[str, list[tuple[float, float]]] = {"direct": [], "run": [], "proxy": []}
+    deadline = time.monotonic() + PLAZO
+    store = SqliteCheckpointer(db)  # one journal, as a worker has: a new run each time
+    async with (
+        openai.AsyncOpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as straight,
+        openai.AsyncOpenAI(base_url=proxy_url + "/v1", api_key="k", max_retries=0) as proxied,
+        OpenAIGateway("m", base_url=url + "/v1", api_key="k", max_retries=0) as gateway,
+    ):
+        paths: dict[str, Callable[[int], Any]] = {
+            "direct": lambda i: direct(straight, f"d{i}"),
+            "run": lambda i: through_run(gateway, store, f"run-{i}"),
+            "proxy": lambda i: direct(proxied, f"p{i}"),
+        }
+        for path in paths.values():  # warm each path once: connections, imports
+            await path(-1)
+        for i in range(n):
+            if time.monotonic() > deadline:
+                break
+            for name, path in paths.items():
+                results[name].append(await path(i))
+    await store.close()
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="30 streams per path")
+    parser.add_argument("--streams", type=int, default=200, help="streams per path")
+    parser.add_argument("--chunks", type=int, default=50, help="text chunks per stream")
+    args = parser.parse_args(argv)
+    n = 30 if args.quick else args.streams
+    with tempfile.TemporaryDirectory() as tmp, serving(chat_app(args.chunks)) as url:
+        proxy_app = create_app(url + "/v1", db=Path(tmp) / "keys.db")
+        with serving(proxy_app) as proxy_url:
+            results = asyncio.run(measure(url, proxy_url, Path(tmp) / "runs.db", n))
+    base = results["direct"]
+    print(f"== Time to first token, {len(base)} streams per path, {args.chunks} chunks each (ms)")
+    print(f"{'path':<8} {'ttft_med':>10} {'ttft_p90':>8} {'total_med':>11} {'added_ttft':>12}")
+    for name, samples in results.items():
+        print(summary(name, samples, base))
+
+
+if __name__ == "__main__":
+    main()
