@@ -247,3 +247,28 @@ def test_killed_mid_stream_without_the_proxy_the_step_is_asked_again_after_a_res
     m1 = [k for k in long_first.generations if k and ":m1:" in k]
     assert len(m1) == 2  # the cut generation was paid, and the step paid again
     assert m1[0] == m1[1]  # with the same key: a key-honouring provider would bill once
+
+
+# -- through asiento gateway, streamed or not is the same request ----------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("first", ["stream", "plain"])
+async def test_through_the_proxy_a_streamed_and_a_plain_ask_of_one_key_pay_once(
+    provider: FakeProvider, tmp_path: Path, kind: str, first: str
+) -> None:
+    """A run streamed by one process and resumed by one that does not (or the other way)."""
+    with AsgiServer(create_app(provider.openai_url, db=tmp_path / "keys.db")) as proxy:
+        async with gateway(kind, proxy.url + "/v1") as gw:
+            key = "run-1:m1:ffff"
+            if first == "stream":
+                parts, one = await streamed(gw, key)
+                two = await gw.complete(REQUEST, idempotency_key=key)
+            else:
+                one = await gw.complete(REQUEST, idempotency_key=key)
+                parts, two = await streamed(gw, key)
+    assert provider.billed(key) == 1
+    assert essence(one) == essence(two)
+    assert one.tool_calls[0].id == two.tool_calls[0].id  # the same generation, not a second
+    assert "".join(p.text for p in parts if isinstance(p, TextPart)) == one.text
+    assert provider.problems == []

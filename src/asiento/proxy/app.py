@@ -69,6 +69,7 @@ from ..gateways.anthropic import parse_message
 from ..gateways.openai import parse_chat, parse_responses
 from ..gateways.quota import CHARS_PER_TOKEN, Quota, Reservation, estimate_tokens
 from ..lease import Holder, is_dead_here
+from ._convert import STREAM_OPTIONS, is_stream, plain_from_stream, stream_from_plain
 from ._recording import Recording
 from ._stream import PassedThrough, wants_stream
 
@@ -338,8 +339,7 @@ class IdempotencyProxy:
                 return await self._fetch_and_keep(request, body, scope, key, claim.token)
             if claim.kind == "done" and claim.stored is not None:
                 self.stats.replayed += 1
-                headers = claim.stored.headers | {"idempotent-replayed": "true"}
-                return Response(claim.stored.body, claim.stored.status, headers=headers)
+                return _replayed(request.url.path, claim.stored, stream=False)
             if claim.kind == "conflict":
                 self.stats.conflicts += 1
                 return _reused(key)
@@ -367,8 +367,7 @@ class IdempotencyProxy:
                 return await live.response(_RECORDING)
             if claim.kind == "done" and claim.stored is not None:
                 self.stats.replayed += 1
-                headers = claim.stored.headers | {"idempotent-replayed": "true"}
-                return Response(claim.stored.body, claim.stored.status, headers=headers)
+                return _replayed(path, claim.stored, stream=True)
             if claim.kind == "conflict":
                 self.stats.conflicts += 1
                 return _reused(key)
@@ -684,6 +683,19 @@ def _settle(reservation: Reservation, path: str, answer: Stored) -> None:
     reservation.settle(usage.input_tokens + usage.output_tokens)
 
 
+def _replayed(path: str, stored: Stored, *, stream: bool) -> Response:
+    """A kept answer given again, in the form the request asks for (streamed or not)."""
+    headers = stored.headers | {"idempotent-replayed": "true"}
+    if is_stream(stored.headers) == stream:
+        return Response(stored.body, stored.status, headers=headers)
+    body = stream_from_plain(path, stored.body) if stream else plain_from_stream(path, stored.body)
+    if body is None:
+        message = "the answer kept under this key cannot be given in the form asked for"
+        return _error(502, message, "kept_answer_unconvertible", **{"x-should-retry": "false"})
+    kind = "text/event-stream" if stream else "application/json"
+    return Response(body, stored.status, headers=headers | {"content-type": kind})
+
+
 def _response(answer: Stored | Response) -> Response:
     if isinstance(answer, Response):
         return answer
@@ -697,11 +709,19 @@ def _scope(headers: Mapping[str, str]) -> str:
 
 
 def _fingerprint(path: str, body: bytes) -> str:
-    """The request as sent; equal JSON in another key order or spacing is the same request."""
+    """The request as sent; equal JSON in another key order or spacing is the same request.
+
+    Streamed or not is the same request: the answer is kept once and given in the form
+    each request asks for (``_convert``), so a run streamed by one process and resumed
+    by one that does not stream pays once.
+    """
     try:
-        return sha256_hex(path + "\n" + canonical_json(json.loads(body)))
+        request = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         return path + "\n" + hashlib.sha256(body).hexdigest()
+    if isinstance(request, dict):
+        request = {k: v for k, v in request.items() if k not in STREAM_OPTIONS}
+    return sha256_hex(path + "\n" + canonical_json(request))
 
 
 def _error(status: int, message: str, code: str, **headers: str) -> JSONResponse:
