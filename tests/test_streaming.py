@@ -32,6 +32,7 @@ from asiento import (
     ToolCallPart,
     ToolStep,
     UsageError,
+    step_ids,
 )
 from asiento.testing import ScriptedGateway, StreamingScriptedGateway
 from sqlite_files import Journal
@@ -51,7 +52,10 @@ def text_of(items: list[Any], step_id: str) -> str:
 
 
 def records(events: list[Any]) -> list[tuple[str, Phase, Any]]:
-    return [(e.step_id, e.phase, dict(e.payload)) for e in events]
+    """The run's records but the streamed attempts' markers (``m1/1``: see below)."""
+    return [
+        (e.step_id, e.phase, dict(e.payload)) for e in events if not step_ids.is_streamed(e.step_id)
+    ]
 
 
 async def test_deltas_come_as_generated_then_the_durable_model_step(journal: Journal) -> None:
@@ -98,7 +102,14 @@ async def test_a_streamed_run_journals_what_a_plain_run_journals(tmp_path: Path)
     await streamed(echo_agent([]), StreamingScriptedGateway(SCRIPT, chunk=2), a)
     session = Session(RUN, ScriptedGateway(SCRIPT), b)
     [s async for s in echo_agent([]).run(TASK, session=session)]
-    assert records(await a.load(RUN)) == records(await b.load(RUN))
+    streamed_events, plain_events = await a.load(RUN), await b.load(RUN)
+    assert records(streamed_events) == records(plain_events)
+    markers = [(e.step_id, e.phase, dict(e.payload)) for e in streamed_events]
+    extra = [m for m in markers if step_ids.is_streamed(m[0])]
+    assert extra == [  # one per streamed model step, written while it streamed
+        ("m1/1", Phase.SUBMITTED, {"stream_attempt": 1}),
+        ("m2/1", Phase.SUBMITTED, {"stream_attempt": 1}),
+    ]
     await a.close()
     await b.close()
 
@@ -191,6 +202,11 @@ CHILD = textwrap.dedent(
                 print("delta", item.attempt, repr(item.text), flush=True)
                 seen += 1
                 if seen == kill_after:
+                    other = SqliteCheckpointer(path)  # the marker, durable beside the stream
+                    for _ in range(250):
+                        if await other.load_step(ts.RUN, "m2/1"):
+                            break
+                        await asyncio.sleep(0.02)
                     os.kill(os.getpid(), signal.SIGKILL)
         print("asked", len(gateway.calls), flush=True)
         await store.close()
@@ -237,6 +253,10 @@ async def test_a_stream_cut_by_sigkill_is_asked_again_after_a_restart_event(
     assert "".join(eval(line.split(" ", 2)[2]) for line in lines[1:-1]) == LONG
     assert lines[-1] == "asked 1"  # m1 replayed; m2 asked again (the cut one is lost)
     store = SqliteCheckpointer(path)
+    m2 = [e for e in await store.load_step(RUN, "m2") if e.phase is Phase.RESULT]
+    assert m2[0].payload["repaid"] == 1  # the cut generation, paid and lost, is counted
+    marks = [e.step_id for e in await store.load(RUN) if step_ids.is_streamed(e.step_id)]
+    assert marks == ["m1/1", "m2/1", "m2/2"]
     final = await store.final(RUN)
     assert final is not None
     assert final.payload["text"] == LONG

@@ -7,6 +7,7 @@ tool runs, and the tool result before the next model call depends on it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
@@ -23,6 +24,7 @@ from ._crash import crash_point
 from .context import StepContext
 from .errors import (
     AsientoError,
+    DuplicateRecord,
     LeaseLost,
     MaxTurnsExceeded,
     ReplayDivergence,
@@ -62,6 +64,7 @@ from .payloads import (
     Outcome,
     Payload,
     Resolution,
+    StreamAttempt,
 )
 from .policy import Policy, allow_all, ask_policy
 from .replay import Action, Records, StepState, decide, index, step_state
@@ -377,11 +380,18 @@ class _Pass:
             gateway = self.session.gateway
             if isinstance(gateway, StreamingGateway):
                 answer: object = None
-                async for item in gateway.stream(request, idempotency_key=key):
-                    if isinstance(item, TextPart | ToolCallPart):
-                        yield Delta(run_id=self.run_id, step_id=step_id, attempt=attempt, part=item)
-                    else:
-                        answer = item
+                marking = _Marker(self, step_id, attempt)
+                try:
+                    async for item in gateway.stream(request, idempotency_key=key):
+                        if isinstance(item, TextPart | ToolCallPart):
+                            yield Delta(
+                                run_id=self.run_id, step_id=step_id, attempt=attempt, part=item
+                            )
+                            marking.start()  # after the delta is shown: never before it
+                        else:
+                            answer = item
+                finally:
+                    await marking.done()
                 response = self._took(step_id, fp, key, answer)
             else:  # a gateway that cannot stream: its whole answer is one delta per part
                 answer = await gateway.complete(request, idempotency_key=key)
@@ -442,13 +452,20 @@ class _Pass:
         self.stats.output_tokens += response.usage.output_tokens
         cost = cost_of(response.usage, response.model, self.session.prices)
         self.stats.cost += cost or 0.0
-        result = ModelResult(fp=fp, response=response, cost=cost)
+        repaid = 0 if response.kept else len(self._cut_attempts(step_id))
+        self.stats.model_calls_repaid += repaid
+        result = ModelResult(fp=fp, response=response, cost=cost, repaid=repaid)
         self.spent.add(result)
         self._record(step_id, Phase.RESULT, result)
         self.waiting.append(
             ModelStep(run_id=self.run_id, step_id=step_id, response=response, idempotency_key=key)
         )
         return response
+
+    def _cut_attempts(self, step_id: str) -> list[str]:
+        """Earlier passes' streamed attempts of ``step_id``: each a generation paid and cut."""
+        mine = step_ids.streamed(step_id, self.lease.token if self.lease is not None else 0)
+        return [a for a in step_ids.streamed_attempts(step_id, self.journal) if a != mine]
 
     async def _check_budget(self, step_id: str) -> None:
         """Before a new (paid) call: stop, suspended and resumable, if the budget is spent.
@@ -735,6 +752,42 @@ class _Pass:
     def _drain(self) -> list[Step]:
         out, self.out = self.out, []
         return out
+
+
+class _Marker:
+    """Writes a streamed attempt's marker while the stream goes on, never before a delta.
+
+    The append runs beside the stream; it is awaited when the stream ends (however
+    it ends), so the next record of the pass comes after it. A marker lost with the
+    process (killed before it was durable) only makes a re-paid call go uncounted.
+    """
+
+    def __init__(self, run: _Pass, step_id: str, attempt: int) -> None:
+        self.run, self.step_id, self.attempt = run, step_id, attempt
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self.task is not None:
+            return
+        event = StepEvent(
+            run_id=self.run.run_id,
+            step_id=step_ids.streamed(self.step_id, self.attempt),
+            phase=Phase.SUBMITTED,
+            payload=StreamAttempt(attempt=self.attempt).to_json(),
+        )
+        self.task = asyncio.create_task(self.run.store.append(event, lease=self.run.lease))
+
+    async def done(self) -> None:
+        if self.task is None:
+            return
+        try:
+            await asyncio.shield(self.task)
+        except DuplicateRecord:
+            pass  # the marker of this very pass, written by an earlier walk of it
+        except AsientoError as exc:  # the stream's own outcome decides what happens next
+            log.warning(
+                "run %r: could not mark the streamed %s: %s", self.run.run_id, self.step_id, exc
+            )
 
 
 def _argument_problem(

@@ -81,6 +81,8 @@ class ModelResponse:
 
     ``rate_limited`` counts the 429s the request was sent again for before this
     answer came (recorded only when there were some; older records read as 0).
+    ``kept`` says a key-honouring proxy (``asiento gateway``) answered from the
+    generation it kept under the key (``Idempotent-Replayed``): nothing new was paid.
     """
 
     text: str = ""
@@ -89,6 +91,7 @@ class ModelResponse:
     model: str = ""
     request_id: str | None = None
     rate_limited: int = 0
+    kept: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tool_calls", tuple(self.tool_calls))
@@ -104,6 +107,8 @@ class ModelResponse:
             data["request_id"] = self.request_id
         if self.rate_limited:
             data["rate_limited"] = self.rate_limited
+        if self.kept:
+            data["kept"] = True
         return data
 
     @classmethod
@@ -115,6 +120,7 @@ class ModelResponse:
             model=data.get("model", ""),
             request_id=data.get("request_id"),
             rate_limited=int(data.get("rate_limited", 0)),
+            kept=data.get("kept") is True,
         )
 
 

@@ -37,11 +37,14 @@ class ModelResult:
     fp: str
     response: ModelResponse
     cost: float | None = None
+    repaid: int = 0  # streamed attempts of this step cut before it: generations paid, lost
 
     def to_json(self) -> Json:
         payload: Json = {"fp": self.fp, "response": self.response.to_json()}
         if self.cost is not None:
             payload["cost"] = self.cost
+        if self.repaid:
+            payload["repaid"] = self.repaid
         return payload
 
     @classmethod
@@ -51,7 +54,26 @@ class ModelResult:
             fp=str(payload.get("fp", "")),
             response=ModelResponse.from_json(payload["response"]),
             cost=None if cost is None else float(cost),
+            repaid=int(payload.get("repaid", 0)),
         )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamAttempt:
+    """A pass began streaming a model step (written while it streams, never before).
+
+    Found without the step's result by a later pass, it says that a generation was
+    paid for and cut: the step's answer counts it as re-paid (``ModelResult.repaid``).
+    """
+
+    attempt: int
+
+    def to_json(self) -> Json:
+        return {"stream_attempt": self.attempt}
+
+    @classmethod
+    def from_json(cls, payload: Mapping[str, Any]) -> StreamAttempt:
+        return cls(attempt=int(payload.get("stream_attempt", 0)))
 
 
 def is_model_result(payload: Mapping[str, Any]) -> bool:

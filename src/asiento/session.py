@@ -30,6 +30,7 @@ class RunStats:
 
     model_calls: int = 0
     model_calls_replayed: int = 0
+    model_calls_repaid: int = 0  # streamed generations earlier passes paid and lost to a cut
     tool_calls: int = 0
     tool_calls_replayed: int = 0
     input_tokens: int = 0

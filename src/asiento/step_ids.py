@@ -3,6 +3,7 @@
     m{n}             the n-th model step: m1, m2, ...
     m{n}.t{k}        the k-th tool call the model asked for in m{n}: m1.t1, m1.t2, ...
     m{n}.t{k}/{a}    attempt a (2, 3, ...) of that tool step; attempt 1 is the step id itself
+    m{n}/{p}         a streamed attempt of model step m{n} by the pass of fence p (a marker)
     budget{n}        the n-th stop of the run on its budget (and a person's raise of it)
     final            the run's final record
 
@@ -11,6 +12,8 @@ splits step ids: ask this module.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 FINAL = "final"
 
@@ -51,6 +54,23 @@ def is_retry(record_id: str) -> bool:
 def is_model(record_id: str) -> bool:
     """Whether the record id names a model step."""
     return record_id.startswith("m") and record_id[1:].isdigit()
+
+
+def streamed(model_step: str, attempt: int) -> str:
+    """Where the pass of fence ``attempt`` marks that it began streaming ``model_step``."""
+    return f"{model_step}{_ATTEMPT}{attempt}"
+
+
+def streamed_attempts(model_step: str, record_ids: Iterable[str]) -> list[str]:
+    """The ids of the streamed-attempt markers of ``model_step`` among ``record_ids``."""
+    prefix = f"{model_step}{_ATTEMPT}"
+    return [r for r in record_ids if r.startswith(prefix) and r[len(prefix) :].isdigit()]
+
+
+def is_streamed(record_id: str) -> bool:
+    """Whether the record id names a streamed attempt of a model step."""
+    step, _, attempt = record_id.partition(_ATTEMPT)
+    return is_model(step) and attempt.isdigit()
 
 
 _BUDGET = "budget"

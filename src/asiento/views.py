@@ -34,6 +34,7 @@ from .payloads import (
     ModelResult,
     Outcome,
     Resolution,
+    StreamAttempt,
     is_model_result,
 )
 from .replay import StepState, Waits, index, step_state, waits_for
@@ -165,13 +166,18 @@ def summary(event: StepEvent) -> str:
     if step_ids.is_budget(event.step_id):
         return _budget_summary(event)
     if event.phase == Phase.RESULT and is_model_result(payload):
-        return _model_summary(ModelResult.from_json(payload).response)
+        result = ModelResult.from_json(payload)
+        repaid = f"; {result.repaid} cut stream(s) paid before it" if result.repaid else ""
+        return _model_summary(result.response) + repaid
     if event.phase == Phase.INTENT:
         intent = Intent.from_json(payload)
         key = f" key={intent.idem_key}" if intent.idem_key else ""
         return _call(intent.tool, intent.args) + key
     if event.phase == Phase.APPROVAL:
         return decided_by(event)
+    if event.phase == Phase.SUBMITTED and step_ids.is_streamed(event.step_id):
+        attempt = StreamAttempt.from_json(payload).attempt
+        return f"streaming began (attempt {attempt}): a generation billed even if it was cut"
     if event.phase == Phase.SUBMITTED:
         return "submitted: made durable just before the tool ran"
     if event.phase == Phase.RESOLUTION:

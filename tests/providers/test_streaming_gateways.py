@@ -29,6 +29,7 @@ from asiento import (
     SqliteCheckpointer,
     TextPart,
     ToolCallPart,
+    step_ids,
 )
 from asiento.gateways import AnthropicGateway, ModelUnavailable, OpenAIGateway
 from asiento.model import Message, ModelRequest, ToolSchema
@@ -159,9 +160,10 @@ async def test_a_streamed_run_journals_what_a_plain_run_journals(tmp_path: Path,
             await store.close()
         async with gateway(kind, two.openai_url) as gw:
             await drive(gw, tmp_path / "plain.db")
-    assert shape(await journal(tmp_path / "streamed.db")) == shape(
-        await journal(tmp_path / "plain.db")
-    )
+    streamed_events = await journal(tmp_path / "streamed.db")
+    kept = [e for e in streamed_events if not step_ids.is_streamed(e.step_id)]
+    assert shape(kept) == shape(await journal(tmp_path / "plain.db"))
+    assert len(kept) < len(streamed_events)  # and one marker per streamed model step
     assert any(isinstance(i, Delta) and not i.replayed for i in items)
 
 
@@ -170,9 +172,19 @@ async def test_a_streamed_run_journals_what_a_plain_run_journals(tmp_path: Path,
 CHILD = textwrap.dedent(
     """
     import asyncio, os, signal, sys
-    from asiento import Delta, Session, SqliteCheckpointer, StreamRestart
+    from asiento import Delta, Session, SqliteCheckpointer, StreamRestart, step_ids
     from asiento.gateways import OpenAIGateway
     from providers.test_openai import TASK, agent
+
+    async def marked(db):
+        # the streamed attempt's marker is written beside the stream: wait until it is
+        # durable (read by another connection), so the kill cuts a marked attempt
+        other = SqliteCheckpointer(db)
+        for _ in range(250):
+            if any(step_ids.is_streamed(e.step_id) for e in await other.load("run-1")):
+                break
+            await asyncio.sleep(0.02)
+        await other.close()
 
     async def main(db, url, kill_after):
         async with OpenAIGateway("gpt-test", base_url=url, api_key="k", max_retries=0) as gw:
@@ -185,6 +197,7 @@ CHILD = textwrap.dedent(
                     print("text", repr(item.text), flush=True)
                     seen += 1
                     if seen == kill_after:
+                        await marked(db)
                         os.kill(os.getpid(), signal.SIGKILL)
             await store.close()
             print("closed", flush=True)
@@ -232,6 +245,9 @@ def test_killed_mid_stream_and_resumed_through_the_proxy_the_step_is_billed_once
     assert resumed.stdout.splitlines()[0] == "restart m1"
     assert texts(resumed.stdout) == LONG.text  # the billed generation, whole
     assert LONG.text.startswith(shown)
+    m1_result = asyncio.run(result_of(tmp_path / "runs.db", "m1"))
+    assert m1_result["response"]["kept"] is True  # the proxy's kept generation
+    assert "repaid" not in m1_result  # nothing was paid again
 
 
 def test_killed_mid_stream_without_the_proxy_the_step_is_asked_again_after_a_restart(
@@ -247,6 +263,13 @@ def test_killed_mid_stream_without_the_proxy_the_step_is_asked_again_after_a_res
     m1 = [k for k in long_first.generations if k and ":m1:" in k]
     assert len(m1) == 2  # the cut generation was paid, and the step paid again
     assert m1[0] == m1[1]  # with the same key: a key-honouring provider would bill once
+    assert asyncio.run(result_of(tmp_path / "runs.db", "m1"))["repaid"] == 1  # counted
+
+
+async def result_of(db: Path, step_id: str) -> Any:
+    """The payload of a model step's result record."""
+    events = await journal(db)
+    return next(e.payload for e in events if e.step_id == step_id and e.phase.value == "result")
 
 
 # -- through asiento gateway, streamed or not is the same request ----------------------------

@@ -11,6 +11,7 @@ A stream that ends before its last event has no body: it was cut.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import replace
 from typing import Any, Protocol
 
 from ..model import ModelResponse
@@ -45,12 +46,19 @@ async def streamed(
                 for part in assembler.feed(event.model_dump()):
                     yield part
         body = assembler.body()
-        response = getattr(stream, "response", None)
-        request_id = _request_id(getattr(response, "headers", None))
+        headers = getattr(getattr(stream, "response", None), "headers", None)
     if body is None:
         raise unavailable(provider, key, "the stream ended before its last event (cut short)")
+    request_id = _request_id(headers)
     answer = answer_from(parse, body, provider=provider, key=key, request_id=request_id)
-    yield answered(settled(answer, sent))
+    yield answered(settled(kept_if_replayed(answer, headers), sent))
+
+
+def kept_if_replayed(answer: ModelResponse, headers: Mapping[str, str] | None) -> ModelResponse:
+    """The answer marked ``kept`` when a key-honouring proxy replayed it (no new generation)."""
+    if headers and headers.get("idempotent-replayed") == "true":
+        return replace(answer, kept=True)
+    return answer
 
 
 def _request_id(headers: Mapping[str, str] | None) -> str | None:

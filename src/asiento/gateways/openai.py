@@ -16,7 +16,13 @@ from .._canonical import key_header
 from ..errors import UsageError
 from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
 from ..streaming import StreamPart
-from ._assembly import Assembler, ChatAssembler, ResponsesAssembler, streamed
+from ._assembly import (
+    Assembler,
+    ChatAssembler,
+    ResponsesAssembler,
+    kept_if_replayed,
+    streamed,
+)
 from ._client import OwnedClient, transport_errors
 from ._errors import (
     answered,
@@ -120,7 +126,7 @@ class OpenAIGateway(OwnedClient):
             key=idempotency_key,
             request_id=raw.request_id,
         )
-        return answered(settled(response, sent))
+        return answered(settled(kept_if_replayed(response, raw.headers), sent))
 
     async def stream(
         self, request: ModelRequest, *, idempotency_key: str
