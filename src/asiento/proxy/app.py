@@ -62,7 +62,7 @@ from ..errors import AsientoError
 from ..gateways._errors import ModelResponseInvalid, read_answer
 from ..gateways.anthropic import parse_message
 from ..gateways.openai import parse_chat, parse_responses
-from ..gateways.quota import CHARS_PER_TOKEN, Quota, Reservation, estimate_tokens
+from ..gateways.quota import CHARS_PER_TOKEN, Quota, Reservation
 from ..lease import Holder, is_dead_here
 from ._stream import PassedThrough, wants_stream
 
@@ -542,7 +542,7 @@ def _estimate(quota: Quota, body: bytes) -> int:
         params = None
     if not isinstance(params, dict):
         return -(-len(body) // CHARS_PER_TOKEN)
-    return estimate_tokens(params)
+    return quota.reckon(params)
 
 
 def _settle(reservation: Reservation, path: str, answer: Stored) -> None:
