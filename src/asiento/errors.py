@@ -32,6 +32,7 @@
     │   └── ModelCallFailed     the model could not be asked or answered badly (gateways)
     │       ├── ModelRequestRejected  the provider refused the request: the caller's to fix
     │       ├── ModelUnavailable      the provider is down or overloaded: retry later
+    │       │   └── RateLimited       the provider's 429s outlasted asiento's retries
     │       └── ModelResponseInvalid  the answer cannot be recorded: the model's fault
     ├── EffectRejected          the destination refused an effect: it certainly did not happen
     │                           (effects; recorded as the step's failed outcome)

@@ -20,7 +20,7 @@ import pytest
 from asiento import Quota
 from asiento.proxy import create_app
 
-from .fake_servers import AsgiServer, CountingProvider
+from .fake_servers import Answer, AsgiServer, CountingProvider, FakeProvider
 
 CLIENTS = 4
 HELLO = [{"role": "user", "content": "hi"}]
@@ -128,3 +128,43 @@ def test_a_bad_limit_on_the_command_line_names_the_option(option: str, tmp_path:
     assert proc.returncode != 0
     assert f"Invalid value for '{option}'" in proc.stderr
     assert not (tmp_path / "k.db").exists()
+
+
+async def test_a_stream_holds_its_place_in_flight_until_it_ends(tmp_path: Path) -> None:
+    """max_concurrent=1: while a stream is open, a second request does not go upstream;
+    once the stream ends, its place is given back and the request goes."""
+    import openai
+
+    with FakeProvider((Answer(text="streamed"), Answer(text="after"))) as provider:
+        app = create_app(provider.openai_url, db=tmp_path / "keys.db", quota=Quota(1))
+        go_on = provider.hold_stream()
+        try:
+            with AsgiServer(app) as proxy:
+                client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="k")
+                async with client:
+                    stream = await client.chat.completions.create(
+                        model="m",
+                        messages=HELLO,
+                        stream=True,  # type: ignore[arg-type]
+                    )
+                    chunks = stream.__aiter__()
+                    async with asyncio.timeout(15):
+                        await chunks.__anext__()  # the stream is open, upstream holds the rest
+                    waiting = asyncio.create_task(
+                        client.chat.completions.create(
+                            model="m",
+                            messages=HELLO,  # type: ignore[arg-type]
+                            extra_headers={"Idempotency-Key": "k-after"},
+                        )
+                    )
+                    await asyncio.sleep(0.3)
+                    assert len(provider.requests) == 1
+                    assert not waiting.done()
+                    go_on.set()
+                    _ = [chunk async for chunk in chunks]
+                    async with asyncio.timeout(15):
+                        answer = await waiting
+        finally:
+            go_on.set()
+    assert len(provider.requests) == 2
+    assert answer.choices[0].message.content == "streamed"  # turn 0 again: a fresh request

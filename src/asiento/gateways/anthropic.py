@@ -29,7 +29,7 @@ from ._errors import (
     unavailable,
     usage_fields,
 )
-from .quota import Quota, estimate_tokens
+from .quota import Quota
 from .rate_limit import RateLimitPolicy, send, settled, take_429s
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class AnthropicGateway(OwnedClient):
                 attempt,
                 quota=self.quota,
                 policy=self.rate_limits,
-                tokens=estimate_tokens(params) if self.quota.limits_rate else 0,
+                tokens=self.quota.reckon(params),
                 provider=self.provider,
                 key=idempotency_key,
             )
@@ -142,7 +142,7 @@ class AnthropicGateway(OwnedClient):
                 parse_message,
                 quota=self.quota,
                 policy=self.rate_limits,
-                tokens=estimate_tokens(params) if self.quota.limits_rate else 0,
+                tokens=self.quota.reckon(params),
                 provider=self.provider,
                 key=idempotency_key,
             ):

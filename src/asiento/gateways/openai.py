@@ -35,7 +35,7 @@ from ._errors import (
     unavailable,
     usage_fields,
 )
-from .quota import Quota, estimate_tokens
+from .quota import Quota
 from .rate_limit import RateLimitPolicy, send, settled, take_429s
 
 if TYPE_CHECKING:
@@ -110,7 +110,7 @@ class OpenAIGateway(OwnedClient):
                 attempt,
                 quota=self.quota,
                 policy=self.rate_limits,
-                tokens=estimate_tokens(params) if self.quota.limits_rate else 0,
+                tokens=self.quota.reckon(params),
                 provider=self.provider,
                 key=idempotency_key,
             )
@@ -169,7 +169,7 @@ class OpenAIGateway(OwnedClient):
                 parse,
                 quota=self.quota,
                 policy=self.rate_limits,
-                tokens=estimate_tokens(params) if self.quota.limits_rate else 0,
+                tokens=self.quota.reckon(params),
                 provider=self.provider,
                 key=idempotency_key,
             ):

@@ -137,6 +137,10 @@ class Quota:
     def limits_rate(self) -> bool:
         return self.requests_per_minute is not None or self.tokens_per_minute is not None
 
+    def reckon(self, params: Mapping[str, Any]) -> int:
+        """The tokens a request reserves: ``estimate_tokens``, or 0 when tokens are not limited."""
+        return 0 if self.tokens_per_minute is None else estimate_tokens(params)
+
     @asynccontextmanager
     async def slot(self, tokens: int = 0) -> AsyncIterator[Reservation]:
         """Hold a place in flight and, once one is free, a start in the windows.

@@ -67,7 +67,7 @@ from ..errors import AsientoError
 from ..gateways._errors import ModelResponseInvalid, read_answer
 from ..gateways.anthropic import parse_message
 from ..gateways.openai import parse_chat, parse_responses
-from ..gateways.quota import CHARS_PER_TOKEN, Quota, Reservation, estimate_tokens
+from ..gateways.quota import CHARS_PER_TOKEN, Quota, Reservation
 from ..lease import Holder, is_dead_here
 from ._convert import STREAM_OPTIONS, is_stream, plain_from_stream, stream_from_plain
 from ._recording import Recording
@@ -387,10 +387,16 @@ class IdempotencyProxy:
         renewal = asyncio.create_task(self._renew(scope, key, token))
         kept, plain = False, None
         try:
-            plain, status, headers = await self._read_stream(request, body, live)
+            async with self.quota.slot(_estimate(self.quota, body)) as reservation:
+                plain, status, headers = await self._read_stream(request, body, live)
             whole = live.whole()
+            if status == 429:
+                reservation.refund()
             if plain is None and whole is not None:
                 answer = Stored(status, headers, whole)
+                assembled = plain_from_stream(request.url.path, whole)
+                if assembled is not None:
+                    _settle(reservation, request.url.path, Stored(status, {}, assembled))
                 await asyncio.to_thread(self.store.finish, scope, key, token, answer)
                 kept = True
                 self.stats.streams_recorded += 1
@@ -664,7 +670,7 @@ def _estimate(quota: Quota, body: bytes) -> int:
         params = None
     if not isinstance(params, dict):
         return -(-len(body) // CHARS_PER_TOKEN)
-    return estimate_tokens(params)
+    return quota.reckon(params)
 
 
 def _settle(reservation: Reservation, path: str, answer: Stored) -> None:
