@@ -130,7 +130,10 @@ def test_a_bad_limit_on_the_command_line_names_the_option(option: str, tmp_path:
     assert not (tmp_path / "k.db").exists()
 
 
-async def test_a_stream_holds_its_place_in_flight_until_it_ends(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stream_key", [None, "k-stream"])  # passed through, or recorded
+async def test_a_stream_holds_its_place_in_flight_until_it_ends(
+    tmp_path: Path, stream_key: str | None
+) -> None:
     """max_concurrent=1: while a stream is open, a second request does not go upstream;
     once the stream ends, its place is given back and the request goes."""
     import openai
@@ -146,6 +149,7 @@ async def test_a_stream_holds_its_place_in_flight_until_it_ends(tmp_path: Path) 
                         model="m",
                         messages=HELLO,
                         stream=True,  # type: ignore[arg-type]
+                        extra_headers={"Idempotency-Key": stream_key} if stream_key else None,
                     )
                     chunks = stream.__aiter__()
                     async with asyncio.timeout(15):
