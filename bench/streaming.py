@@ -5,8 +5,9 @@
     python bench/streaming.py --quick    # 30 streams per path (a few seconds)
 
 The server (starlette + uvicorn on 127.0.0.1, in this process's threads) streams
-a Chat Completions answer of ``--chunks`` text chunks, as fast as it can. Each
-round asks once per path, in turn, so the paths share the machine's noise:
+a Chat Completions answer of ``--chunks`` text chunks, as fast as it can. The paths
+take turns in blocks of ten streams, so they share the machine's noise and each keeps
+its connection warm, as a busy agent does:
 
 - ``direct``: ``openai.AsyncOpenAI`` straight at the server, ``stream=True``;
 - ``run``: ``Agent.run(task, session=..., stream=True)`` with an ``OpenAIGateway``
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import tempfile
 import threading
@@ -43,10 +43,12 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
 from asiento import Agent, Delta, Session, SqliteCheckpointer
+from asiento._listen import listening_socket
 from asiento.gateways import OpenAIGateway
 from asiento.proxy import create_app
 
 PLAZO = 120.0  # no path may take longer than this in all
+BLOCK = 10  # streams per path in a row: each path's connection stays warm, as in use
 
 
 def chat_app(chunks: int) -> Starlette:
@@ -75,9 +77,7 @@ def chat_app(chunks: int) -> Starlette:
 @contextmanager
 def serving(app: Any) -> Iterator[str]:
     """``app`` on a free 127.0.0.1 port, in a thread; its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
+    sock = listening_socket("127.0.0.1", 0, backlog=128)  # TCP_NODELAY, as asiento's servers
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -147,11 +147,12 @@ async def measure(
         }
         for path in paths.values():  # warm each path once: connections, imports
             await path(-1)
-        for i in range(n):
+        for block in range(0, n, BLOCK):  # blocks in turn: warm connections, shared noise
             if time.monotonic() > deadline:
                 break
             for name, path in paths.items():
-                results[name].append(await path(i))
+                for i in range(block, min(n, block + BLOCK)):
+                    results[name].append(await path(i))
     await store.close()
     return results
 

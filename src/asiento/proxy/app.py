@@ -46,7 +46,6 @@ import contextlib
 import hashlib
 import itertools
 import json
-import socket
 import sqlite3
 import sys
 import threading
@@ -63,6 +62,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from .._canonical import canonical_json, sha256_hex
+from .._listen import listening_socket
 from ..errors import AsientoError
 from ..gateways._errors import ModelResponseInvalid, read_answer
 from ..gateways.anthropic import parse_message
@@ -626,10 +626,7 @@ def serve(
         lease=lease,
         quota=quota,
     )
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)  # connectable from the moment the URL is printed
+    sock = listening_socket(host, port, backlog=2048)  # connectable once the URL is printed
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     limits = f", {quota}" if quota is not None else ""

@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import json
 import shlex
-import socket
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any
@@ -33,6 +32,7 @@ from starlette.routing import Route
 
 from .. import step_ids
 from .. import views as fmt
+from .._listen import listening_socket
 from ..decisions import approve, deny, raise_budget, resolve
 from ..effects.records import effect_records_of
 from ..errors import ApprovalError, AsientoError, UsageError
@@ -497,10 +497,7 @@ def serve(
     if host not in ("0.0.0.0", "::", ""):
         names.append(host)
     app = create_app(store_url, token=token, allowed_hosts=names, open_reading=open_reading)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)  # connectable from the moment the URL is printed
+    sock = listening_socket(host, port, backlog=128)  # connectable once the URL is printed
     bound = f"[{host}]" if ":" in host else host
     url = f"http://{bound}:{sock.getsockname()[1]}/"
     print(f"asiento serve: {url} (journal {shown(store_url)})", file=sys.stderr, flush=True)
