@@ -20,6 +20,8 @@ from .errors import (
     JournalTooNew,
     LeaseLost,
     MaxTurnsExceeded,
+    McpCallLost,
+    McpServerUnavailable,
     MigrationFailed,
     NotAJournal,
     RecordTooLarge,
@@ -28,6 +30,7 @@ from .errors import (
     RunClosed,
     RunError,
     RunLocked,
+    ToolUnavailable,
     UncertainEffect,
     UsageError,
 )
@@ -53,7 +56,7 @@ from .journal.url import open_store
 from .lease import Holder
 from .ledger import Price
 from .model import Gateway, Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
-from .policy import Policy, allow_all, require_approval_for
+from .policy import Policy, allow_all, require_approval_for, require_approval_for_destructive
 from .session import RunStats, Session
 from .shutdown import ShutdownRequested
 from .tools import Tool, tool
@@ -98,6 +101,8 @@ __all__ = [
     "Lease",
     "LeaseLost",
     "MaxTurnsExceeded",
+    "McpCallLost",
+    "McpServerUnavailable",
     "MemoryCheckpointer",
     "Message",
     "MigrationFailed",
@@ -130,6 +135,7 @@ __all__ = [
     "ToolCall",
     "ToolSchema",
     "ToolStep",
+    "ToolUnavailable",
     "UncertainEffect",
     "Usage",
     "UsageError",
@@ -145,6 +151,7 @@ __all__ = [
     "open_store",
     "raise_budget",
     "require_approval_for",
+    "require_approval_for_destructive",
     "resolve",
     "submit",
     "tool",

@@ -8,7 +8,7 @@ tool runs, and the tool result before the next model call depends on it.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +27,7 @@ from .errors import (
     MaxTurnsExceeded,
     ReplayDivergence,
     RunAbandoned,
+    ToolUnavailable,
     UncertainEffect,
     UsageError,
 )
@@ -64,7 +65,7 @@ from .payloads import (
     Resolution,
 )
 from .policy import Policy, allow_all, ask_policy
-from .replay import Action, Records, StepState, decide, index, step_state
+from .replay import Action, Records, StepState, decide, index, step_state, tool_drift
 from .session import Session
 from .tools import Found, PrepareFailed, Tool, ToolArgumentsError, Unknown
 
@@ -103,7 +104,17 @@ class Agent:
         self.policy: Policy = policy or allow_all
         self.max_turns = max_turns
         self.schemas = tuple(t.schema for t in tools)
-        self.head = {"instructions": instructions, "tools": [s.to_json() for s in self.schemas]}
+        self.head: dict[str, Any] = {
+            "instructions": instructions,
+            "tools": [s.to_json() for s in self.schemas],
+        }
+        sources = {t.name: t.source for t in tools if t.source is not None}
+        self.digests: dict[str, str] | None = (
+            None  # recorded with m1 when tools come from elsewhere
+        )
+        if sources:  # only then: a run of local tools keeps the fingerprint it always had
+            self.head["sources"] = sources
+            self.digests = _digests(tools)
 
     def run(self, task: str, *, session: Session) -> AsyncIterator[Step]:
         """Drive the run to its end or to a point that needs a person, yielding each step."""
@@ -308,10 +319,14 @@ class _Pass:
     def _replay_model(self, step_id: str, fp: str, recorded: StepEvent) -> ModelResponse:
         result = ModelResult.from_json(recorded.payload)
         if result.fp != fp:
+            drift = None
+            if result.tools is not None:
+                drift = tool_drift(result.tools, _digests(self.agent.tools.values()))
             raise ReplayDivergence(
                 self.run_id,
                 step_id,
-                f"the recorded request has fingerprint {result.fp[:12]}…, "
+                drift
+                or f"the recorded request has fingerprint {result.fp[:12]}…, "
                 f"the resumed run would send {fp[:12]}…",
             )
         response = result.response
@@ -345,7 +360,8 @@ class _Pass:
         self.stats.output_tokens += response.usage.output_tokens
         cost = cost_of(response.usage, response.model, self.session.prices)
         self.stats.cost += cost or 0.0
-        result = ModelResult(fp=fp, response=response, cost=cost)
+        tools = self.agent.digests if step_id == step_ids.model(1) else None
+        result = ModelResult(fp=fp, response=response, cost=cost, tools=tools)
         self.spent.add(result)
         self._record(step_id, Phase.RESULT, result)
         self.waiting.append(
@@ -496,6 +512,10 @@ class _Pass:
             outcome = await tool.runner.execute(
                 tool, intent, ready.kwargs, via=ready.via, attempts=ready.attempts
             )
+        except ToolUnavailable as exc:  # it never left: the step runs on the next pass
+            unsent = Resolution(happened=False, by="asiento", reason=str(exc)[:500])
+            self._record(ready.attempt_id, Phase.RESOLUTION, unsent)
+            raise
         finally:
             context.leave(token)
         self.stats.tool_calls += 1
@@ -653,6 +673,11 @@ def _argument_problem(
         return None, tool.validate(call.arguments)
     except ToolArgumentsError as exc:
         return str(exc), None
+
+
+def _digests(tools: Iterable[Tool]) -> dict[str, str]:
+    """Each tool's name and a digest of its schema and source: what m1 records of them."""
+    return {t.name: fingerprint([t.schema.to_json(), t.source])[:16] for t in tools}
 
 
 def _with_call_ids(response: ModelResponse, step_id: str) -> ModelResponse:

@@ -37,20 +37,28 @@ class ModelResult:
     fp: str
     response: ModelResponse
     cost: float | None = None
+    # The first model step of a run whose tools come from elsewhere (an MCP server):
+    # each tool's name and digest, so a resumed run can name the tools that changed.
+    tools: Mapping[str, str] | None = None
 
     def to_json(self) -> Json:
         payload: Json = {"fp": self.fp, "response": self.response.to_json()}
         if self.cost is not None:
             payload["cost"] = self.cost
+        if self.tools is not None:
+            payload["tools"] = dict(self.tools)
         return payload
 
     @classmethod
     def from_json(cls, payload: Mapping[str, Any]) -> ModelResult:
-        cost = payload.get("cost")
+        cost, tools = payload.get("cost"), payload.get("tools")
         return cls(
             fp=str(payload.get("fp", "")),
             response=ModelResponse.from_json(payload["response"]),
             cost=None if cost is None else float(cost),
+            tools={str(k): str(v) for k, v in tools.items()}
+            if isinstance(tools, Mapping)
+            else None,
         )
 
 
