@@ -11,6 +11,7 @@ from typing import Any
 import mcp_types
 from mcp import Client
 from mcp.shared.exceptions import MCPError
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from ..errors import McpServerUnavailable, UsageError
 from ..tools import Tool
@@ -103,12 +104,13 @@ class McpServer:
     async def call(self, remote_name: str, arguments: Mapping[str, Any], key: str) -> Any:
         """``tools/call`` with ``key`` in its ``_meta``, on a session checked alive first.
 
-        The ping before the call finds a server that died since the last call while
-        nothing is sent yet: the session is opened again, or ``McpServerUnavailable``.
+        The probe before the call (``_probe``) finds a server that died since the last
+        call while nothing is sent yet: the session is opened again, or
+        ``McpServerUnavailable``.
         """
         link = await self._live()
         try:
-            await link.run(lambda client: client.send_ping())
+            await link.run(_probe)
         except (LinkGone, MCPError):
             await self.aclose()
             link = await self._live()
@@ -192,6 +194,13 @@ class McpServer:
                 "model cannot call (1-64 letters, digits, _ or -); use a shorter prefix"
             )
         return name
+
+
+async def _probe(client: Client) -> object:
+    """One request that changes nothing: ``server/discover`` (``ping`` before 2026-07-28)."""
+    if client.protocol_version in MODERN_PROTOCOL_VERSIONS:
+        return await client.session.discover()
+    return await client.session.send_ping()
 
 
 def _lister(cursor: str | None) -> Callable[[Client], Awaitable[mcp_types.ListToolsResult]]:
