@@ -77,6 +77,12 @@ else:
         return f"sunny in {city}"
 
 
+@app.tool(annotations=ToolAnnotations(read_only_hint=True))
+def whoami() -> int:
+    """This server's process id (a test kills it by that)."""
+    return os.getpid()
+
+
 @app.tool()
 async def send_note(text: str, ctx: Context) -> str:
     """Send a note (no annotations: the spec's defaults)."""

@@ -198,8 +198,9 @@ class McpServer:
 
 async def _probe(client: Client) -> object:
     """One request that changes nothing: ``server/discover`` (``ping`` before 2026-07-28)."""
-    if client.protocol_version in MODERN_PROTOCOL_VERSIONS:
-        return await client.session.discover()
+    version = client.protocol_version
+    if version in MODERN_PROTOCOL_VERSIONS:  # ``discover()`` answers from its cache
+        return await client.session.send_discover(version)
     return await client.session.send_ping()
 
 
