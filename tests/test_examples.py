@@ -92,6 +92,11 @@ FIGURES: dict[str, list[str]] = {
         r"status in the index: closed\n",
         r"a worker afterwards: found work False, claimed 0, model calls and payments 0 ",
     ],
+    "13_mcp": [
+        r"consultar\s+killed by SIGKILL\s+closed\s+2\s+2\s+1\n",
+        r"enviar\s+killed by SIGKILL\s+UncertainEffect\s+1\s+1\s+1\n",
+        r"cobrar\s+killed by SIGKILL\s+closed\s+2\s+1\s+1\n",
+    ],
 }
 README = EXAMPLES / "README.md"
 
