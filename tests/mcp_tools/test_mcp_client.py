@@ -13,6 +13,7 @@ import pytest
 
 from asiento import (
     Agent,
+    Decision,
     FinalStep,
     McpServerUnavailable,
     ModelResponse,
@@ -23,9 +24,11 @@ from asiento import (
     ToolCall,
     UsageError,
     idem_key,
+    require_approval_for_destructive,
     tool,
 )
 from asiento.mcp import UNTRUSTED, McpServer, McpTool, Treatment, treatment
+from asiento.replay import tool_drift
 from asiento.testing import ScriptedGateway
 
 from .rig import RUN, SERVER, HttpServer, Rig
@@ -246,3 +249,40 @@ def test_asiento_mcp_without_the_extra_names_it() -> None:
     name, _, message = done.stdout.strip().partition(" | ")
     assert name == "mcp"
     assert "pip install 'asiento[mcp]'" in message
+
+
+def test_drift_names_the_tools_gone_new_and_changed() -> None:
+    """The divergence detail names each tool by what happened to it; nothing when equal."""
+    recorded = {"a": "1", "b": "2", "c": "3"}
+    detail = tool_drift(recorded, {"a": "1", "b": "9", "d": "4"})
+    assert detail is not None
+    assert "no longer offered: 'c'" in detail
+    assert "new: 'd'" in detail
+    assert "changed (schema, description, annotations or treatment): 'b'" in detail
+    assert "'a'" not in detail
+    assert tool_drift(recorded, dict(recorded)) is None
+
+
+def test_destructive_policy_asks_only_for_destructive_tools() -> None:
+    """require_approval_for_destructive asks for an MCP tool treated as destructive, and
+    allows a read-only one and every local tool."""
+
+    @tool
+    def local(x: int) -> int:
+        """Double it."""
+        return 2 * x
+
+    def mcp_tool(name: str, treated: Treatment) -> McpTool:
+        return McpTool(
+            name=name, description="", idempotent=treated.idempotent, fn=local.fn,
+            arguments_model=local.arguments_model, treatment=treated,
+        )  # fmt: skip
+
+    tools = [local, mcp_tool("rm", UNTRUSTED), mcp_tool("ls", treatment({_RO: True}, trusted=True))]
+    policy = require_approval_for_destructive(tools)
+    decisions = {t.name: policy(ToolCall(name=t.name)) for t in tools}
+    assert decisions == {
+        "local": Decision.ALLOW,
+        "rm": Decision.REQUIRE_APPROVAL,
+        "ls": Decision.ALLOW,
+    }
