@@ -2,14 +2,15 @@
 
 Run by tests/mcp/test_server_dedup.py as a real process:
 
-    python dedup_server.py DIR stdio|http [--ttl SECONDS] [--skew SECONDS] [--plain]
+    python dedup_server.py DIR stdio|http [--ttl S] [--skew S] [--only TOOL]... [--plain]
 
 DIR holds the SQLite file (``calls.db``), ``effects.log`` (one line per time a
 tool's body ran: the effect the tests count), ``entered-TAG`` (the pid of a
 process inside ``hold(tag)``; the tool waits there until ``release-TAG``
 exists) and, over HTTP, ``port`` (where the server listens on 127.0.0.1).
 ``--plain`` serves the same tools without the middleware, so the tests can be
-seen to fail without it; ``--skew`` moves asiento's clock (the TTL test).
+seen to fail without it; ``--skew`` moves asiento's clock (the TTL test);
+``--only`` deduplicates only the tools named.
 """
 
 from __future__ import annotations
@@ -32,9 +33,10 @@ from asiento.mcp.server import IdempotencyKeys
 _HOLD_LIMIT = 60.0  # seconds a held call waits for its release at most
 
 
-def build(folder: Path, *, ttl: float, plain: bool) -> MCPServer:
+def build(folder: Path, *, ttl: float, only: list[str] | None, plain: bool) -> MCPServer:
     """The tools: ``pay`` (structured), ``hold`` (waits to be released), ``refuse`` (fails)."""
-    middleware = [] if plain else [IdempotencyKeys(folder / "calls.db", ttl=ttl)]
+    keys = IdempotencyKeys(folder / "calls.db", ttl=ttl, tools=only)
+    middleware = [] if plain else [keys]
     server = MCPServer("dedup-test", middleware=middleware)
     effects = folder / "effects.log"
 
@@ -88,10 +90,11 @@ def main() -> None:
     parser.add_argument("transport", choices=["stdio", "http"])
     parser.add_argument("--ttl", type=float, default=3600.0)
     parser.add_argument("--skew", type=float, default=0.0)
+    parser.add_argument("--only", action="append")
     parser.add_argument("--plain", action="store_true")
     options = parser.parse_args()
     _clock.skew = options.skew
-    server = build(options.folder, ttl=options.ttl, plain=options.plain)
+    server = build(options.folder, ttl=options.ttl, only=options.only, plain=options.plain)
     if options.transport == "stdio":
         anyio.run(server.run_stdio_async)
     else:

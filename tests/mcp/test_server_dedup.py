@@ -26,6 +26,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp_types import CallToolResult, TextContent
 
 from asiento.mcp.server import (
+    BAD_KEY,
     CONFLICT,
     IN_PROGRESS,
     KEY_META,
@@ -239,3 +240,55 @@ async def test_a_call_without_a_key_runs_every_time(launcher: Launcher) -> None:
             await session.call_tool("pay", {"invoice": "inv-3", "amount": 5}, meta=keyed("k-3"))
     assert effects(launcher.folder).count("pay inv-2 5") == 4
     assert effects(launcher.folder).count("pay inv-3 5") == 1
+
+
+async def test_a_key_that_is_not_a_string_is_refused(launcher: Launcher) -> None:
+    """A key that is not a non-empty string is the client's error; the tool does not run."""
+    arguments = {"invoice": "inv-4", "amount": 4}
+    async with launcher.session() as session:
+        answers = [
+            await session.call_tool("pay", arguments, meta={KEY_META: bad})
+            for bad in (42, "", "k" * 1025)
+        ]
+    assert effects(launcher.folder) == []
+    for answer in answers:
+        assert answer.is_error
+        assert outcome(answer) == BAD_KEY
+        assert "client" in text(answer)
+
+
+async def test_only_the_tools_named_are_deduplicated(launcher: Launcher) -> None:
+    """With tools={"pay"}, a keyed call of another tool runs every time."""
+    async with launcher.session("--only", "pay") as session:
+        for _ in range(2):
+            await session.call_tool("pay", {"invoice": "inv-5", "amount": 5}, meta=keyed("k-5"))
+            await session.call_tool("refuse", {"reason": "r"}, meta=keyed("k-6"))
+    assert effects(launcher.folder) == ["pay inv-5 5", "refuse r", "refuse r"]
+
+
+# Over Streamable HTTP (mcp 2.3) a client's cancel closes its response stream and the
+# tool runs on to a recorded result; over stdio it reaches the tool as a cancellation.
+@pytest.mark.parametrize("launcher", ["stdio"], indirect=True)
+async def test_a_cancelled_call_leaves_its_key_unknown(launcher: Launcher) -> None:
+    """The client cancels a call inside the tool: its key answers "unknown", nothing reruns."""
+    async with launcher.session() as session:
+        async with anyio.create_task_group() as group:
+
+            async def cancelled_call() -> None:
+                await session.call_tool("hold", {"tag": "c"}, meta=keyed("k-cancel"))
+
+            group.start_soon(cancelled_call)
+            await wait_for_file(launcher.folder / "entered-c")
+            group.cancel_scope.cancel()
+        (launcher.folder / "release-c").touch()  # a tool run again would not wait
+        with anyio.fail_after(_WAIT):
+            while (
+                outcome(
+                    answer := await session.call_tool("hold", {"tag": "c"}, meta=keyed("k-cancel"))
+                )
+                == IN_PROGRESS
+            ):
+                await anyio.sleep(0.02)  # the server has not seen the cancellation yet
+    assert effects(launcher.folder) == ["hold-entered c"]
+    assert answer.is_error
+    assert outcome(answer) == UNKNOWN

@@ -65,27 +65,42 @@ class CallTable:
         self.lease = lease
         self._local = threading.local()
         self._holder: Holder | None = None
-        self.running: set[str] = set()  # keys this process is running now
+        self._running: set[str] = set()  # keys this process is running now
+        self._running_lock = threading.Lock()
         self._create()
 
     def claim(self, key: str, tool: str, fingerprint: str) -> Seen:
-        """Start the call under ``key`` (verdict "run"), or say why it must not run."""
+        """Start the call under ``key`` (verdict "run"), or say why it must not run.
+
+        The verdict is reached inside the write transaction, so no call can finish
+        between reading its row and judging it.
+        """
         now = _clock.now()
+        inserting = False
+        try:
+            with self._transaction() as db:
+                self._sweep(db, now)
+                row = db.execute("SELECT * FROM asiento_mcp_calls WHERE key = ?", (key,)).fetchone()
+                if row is not None:
+                    return self._judge(row, fingerprint, now)
+                inserting = True
+                self._mark_running(key, True)  # before the commit: a row seen started is running
+                self._insert_started(db, key, tool, fingerprint, now)
+        except BaseException:
+            if inserting:
+                self._mark_running(key, False)
+            raise
+        return Seen(verdict="run")
+
+    def _insert_started(
+        self, db: sqlite3.Connection, key: str, tool: str, fingerprint: str, now: float
+    ) -> None:
         holder = self.holder()
-        with self._transaction() as db:
-            self._sweep(db, now)
-            row = db.execute("SELECT * FROM asiento_mcp_calls WHERE key = ?", (key,)).fetchone()
-            if row is None:
-                db.execute(
-                    "INSERT INTO asiento_mcp_calls "
-                    "VALUES (?, ?, ?, 'started', NULL, ?, ?, ?, ?, ?, ?)",
-                    (key, tool, fingerprint, holder.owner, holder.host, holder.pid,
-                     holder.started, now + self.lease, now),
-                )  # fmt: skip
-        if row is None:
-            self.running.add(key)
-            return Seen(verdict="run")
-        return self._judge(row, fingerprint, now)
+        db.execute(
+            "INSERT INTO asiento_mcp_calls VALUES (?, ?, ?, 'started', NULL, ?, ?, ?, ?, ?, ?)",
+            (key, tool, fingerprint, holder.owner, holder.host, holder.pid, holder.started,
+             now + self.lease, now),
+        )  # fmt: skip
 
     def finish(self, key: str, result: dict[str, Any]) -> None:
         """Record the call's result: from now on the key replays it."""
@@ -103,7 +118,8 @@ class CallTable:
 
     def renew(self) -> None:
         """Extend the lease of every call this process is running."""
-        keys = list(self.running)
+        with self._running_lock:
+            keys = list(self._running)
         if not keys:
             return
         until = _clock.now() + self.lease
@@ -121,12 +137,22 @@ class CallTable:
         return self._holder
 
     def _close(self, key: str, statement: str, values: tuple[Any, ...]) -> None:
-        self.running.discard(key)
-        with self._transaction() as db:
-            db.execute(
-                f"{statement} WHERE key = ? AND owner = ? AND status = 'started'",
-                (*values, key, self.holder().owner),
-            )
+        """Write how the call ended; it stops running here only once that is committed."""
+        try:
+            with self._transaction() as db:
+                db.execute(
+                    f"{statement} WHERE key = ? AND owner = ? AND status = 'started'",
+                    (*values, key, self.holder().owner),
+                )
+        finally:
+            self._mark_running(key, False)
+
+    def _mark_running(self, key: str, running: bool) -> None:
+        with self._running_lock:
+            if running:
+                self._running.add(key)
+            else:
+                self._running.discard(key)
 
     def _judge(self, row: sqlite3.Row, fingerprint: str, now: float) -> Seen:
         if row["fingerprint"] != fingerprint:
@@ -140,7 +166,8 @@ class CallTable:
     def _alive(self, row: sqlite3.Row, now: float) -> bool:
         """Whether the call's owner may still be running it (else nobody knows what it did)."""
         if row["owner"] == self.holder().owner:
-            return row["key"] in self.running
+            with self._running_lock:
+                return row["key"] in self._running
         if is_dead_here(row["host"], row["pid"], row["process_start"]):
             return False
         return bool(row["lease_until"] > now)
@@ -194,4 +221,12 @@ class _Transaction:
     def __exit__(self, kind: object, error: object, trace: object) -> None:
         if not self.db.in_transaction:
             return
-        self.db.execute("COMMIT" if kind is None else "ROLLBACK")
+        if kind is not None:
+            self.db.execute("ROLLBACK")
+            return
+        try:
+            self.db.execute("COMMIT")
+        except BaseException:
+            if self.db.in_transaction:  # a COMMIT that failed leaves nothing half-done
+                self.db.execute("ROLLBACK")
+            raise

@@ -92,16 +92,19 @@ class IdempotencyKeys:
         self._renewer.stop()
 
     async def _claim(self, call: _Call) -> Seen:
+        """Claim the key, shielded: a claim made must reach ``_run``, which closes it."""
         try:
-            return await anyio.to_thread.run_sync(
-                self._calls.claim, call.key, call.tool, call.fingerprint
-            )
+            with anyio.CancelScope(shield=True):
+                seen = await anyio.to_thread.run_sync(
+                    self._calls.claim, call.key, call.tool, call.fingerprint
+                )
         except Exception as exc:
             raise MCPError(
                 code=INTERNAL_ERROR,
                 message=f"asiento could not record the call in {str(self._calls.path)!r} ({exc}); "
                 "the tool did not run: retry with the same key",
             ) from exc
+        return seen
 
     async def _run(
         self, call: _Call, ctx: ServerRequestContext[Any, Any], call_next: CallNext
