@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from asiento import _clock
-from asiento.mcp._calls import CallTable
+from asiento.mcp._calls import CallKey, CallTable
 from asiento.mcp.server import _Renewer
 
 _GO_LIMIT = 30.0
@@ -37,7 +37,7 @@ def main() -> None:
     deadline = time.monotonic() + _GO_LIMIT
     while options.go is not None and not options.go.exists() and time.monotonic() < deadline:
         time.sleep(0.005)
-    seen = calls.claim(options.key, "tool", "fingerprint")
+    seen = calls.claim(CallKey("", options.key), "tool", "fingerprint")
     print(seen.verdict, flush=True)
     if options.hold and seen.verdict == "run":
         _Renewer(calls).start()

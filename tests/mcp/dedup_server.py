@@ -2,7 +2,8 @@
 
 Run by tests/mcp/test_server_dedup.py as a real process:
 
-    python dedup_server.py DIR stdio|http [--ttl S] [--skew S] [--only TOOL]... [--plain]
+    python dedup_server.py DIR stdio|http [--ttl S] [--skew S] [--only TOOL]...
+                                             [--scope-header] [--plain]
 
 DIR holds the SQLite file (``calls.db``), ``effects.log`` (one line per time a
 tool's body ran: the effect the tests count), ``entered-TAG`` (the pid of a
@@ -10,7 +11,8 @@ process inside ``hold(tag)``; the tool waits there until ``release-TAG``
 exists) and, over HTTP, ``port`` (where the server listens on 127.0.0.1).
 ``--plain`` serves the same tools without the middleware, so the tests can be
 seen to fail without it; ``--skew`` moves asiento's clock (the TTL test);
-``--only`` deduplicates only the tools named.
+``--only`` deduplicates only the tools named; ``--scope-header`` scopes keys by
+the HTTP header ``x-tenant``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 import anyio
 import uvicorn
+from mcp.server.context import ServerRequestContext
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
@@ -33,9 +36,11 @@ from asiento.mcp.server import IdempotencyKeys
 _HOLD_LIMIT = 60.0  # seconds a held call waits for its release at most
 
 
-def build(folder: Path, *, ttl: float, only: list[str] | None, plain: bool) -> MCPServer:
+def build(folder: Path, options: argparse.Namespace) -> MCPServer:
     """The tools: ``pay`` (structured), ``hold`` (waits to be released), ``refuse`` (fails)."""
-    keys = IdempotencyKeys(folder / "calls.db", ttl=ttl, tools=only)
+    scope = _tenant if options.scope_header else None
+    keys = IdempotencyKeys(folder / "calls.db", ttl=options.ttl, tools=options.only, scope=scope)
+    plain = options.plain
     middleware = [] if plain else [keys]
     server = MCPServer("dedup-test", middleware=middleware)
     effects = folder / "effects.log"
@@ -66,6 +71,12 @@ def build(folder: Path, *, ttl: float, only: list[str] | None, plain: bool) -> M
     return server
 
 
+def _tenant(ctx: ServerRequestContext[Any, Any]) -> str:
+    """The caller's tenant, from the header ``x-tenant`` (a real server: its auth's client id)."""
+    headers = getattr(ctx.request, "headers", None) or {}
+    return str(headers.get("x-tenant", ""))
+
+
 def _effect(effects: Path, line: str) -> None:
     with effects.open("a") as log:
         log.write(line + "\n")
@@ -76,6 +87,7 @@ def _effect(effects: Path, line: str) -> None:
 async def _serve_http(server: MCPServer, folder: Path) -> None:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
+    listener.listen()  # connections wait in the backlog until uvicorn serves them
     port = listener.getsockname()[1]
     config = uvicorn.Config(server.streamable_http_app(), log_level="warning")
     http = uvicorn.Server(config)
@@ -91,10 +103,11 @@ def main() -> None:
     parser.add_argument("--ttl", type=float, default=3600.0)
     parser.add_argument("--skew", type=float, default=0.0)
     parser.add_argument("--only", action="append")
+    parser.add_argument("--scope-header", action="store_true")
     parser.add_argument("--plain", action="store_true")
     options = parser.parse_args()
     _clock.skew = options.skew
-    server = build(options.folder, ttl=options.ttl, only=options.only, plain=options.plain)
+    server = build(options.folder, options)
     if options.transport == "stdio":
         anyio.run(server.run_stdio_async)
     else:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from asiento.errors import UsageError
-from asiento.mcp._calls import CallTable
+from asiento.mcp._calls import CallKey, CallTable
 from asiento.mcp.server import IdempotencyKeys
 
 CLAIMER = Path(__file__).with_name("claimer.py")
@@ -77,7 +77,7 @@ def holding(db: Path, claimers: list[Claimer], key: str, *options: str) -> Claim
 
 def verdict_here(db: Path, key: str) -> str:
     """What this process, as another server on the file, is told about ``key``."""
-    return CallTable(db, ttl=3600, lease=30).claim(key, "tool", "fingerprint").verdict
+    return CallTable(db, ttl=3600, lease=30).claim(CallKey("", key), "tool", "fingerprint").verdict
 
 
 def edit_row(db: Path, key: str, assignment: str) -> None:

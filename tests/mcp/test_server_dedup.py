@@ -15,11 +15,12 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
+import httpx2
 import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
@@ -58,16 +59,21 @@ class Launcher:
         return [sys.executable, str(SERVER), str(self.folder), self.transport, *options, *plain]
 
     @asynccontextmanager
-    async def session(self, *options: str) -> AsyncIterator[ClientSession]:
-        """A ready ClientSession to a server started with ``options``."""
-        with (self.folder / "stderr.log").open("a") as errors:
+    async def session(
+        self, *options: str, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[ClientSession]:
+        """A ready ClientSession to a server started with ``options`` (headers: HTTP only)."""
+        async with AsyncExitStack() as stack:
             if self.transport == "stdio":
+                errors = stack.enter_context((self.folder / "stderr.log").open("a"))
                 streams = self._stdio(options, errors)
             else:
-                streams = await self._http_streams(options)
-            async with streams as (read, write), ClientSession(read, write) as session:
-                await session.initialize()
-                yield session
+                client = await stack.enter_async_context(httpx2.AsyncClient(headers=headers))
+                streams = await self._http_streams(options, client)
+            read, write = await stack.enter_async_context(streams)
+            session = await stack.enter_async_context(ClientSession(read, write))
+            await session.initialize()
+            yield session
 
     def _stdio(self, options: tuple[str, ...], errors: TextIO) -> Any:
         command = self.command(options)
@@ -75,7 +81,7 @@ class Launcher:
         parameters = StdioServerParameters(command=command[0], args=command[1:], env=environment)
         return stdio_client(parameters, errlog=errors)
 
-    async def _http_streams(self, options: tuple[str, ...]) -> Any:
+    async def _http_streams(self, options: tuple[str, ...], client: httpx2.AsyncClient) -> Any:
         if self._http is None or self._http.poll() is not None or options != self._http_options:
             self.stop()
             (self.folder / "port").unlink(missing_ok=True)
@@ -83,7 +89,7 @@ class Launcher:
                 self._http = subprocess.Popen(self.command(options), stderr=errors)
             self._http_options = options
         port = await wait_for_file(self.folder / "port")
-        return streamable_http_client(f"http://127.0.0.1:{port}/mcp")
+        return streamable_http_client(f"http://127.0.0.1:{port}/mcp", http_client=client)
 
     def stop(self) -> None:
         if self._http is not None and self._http.poll() is None:
@@ -292,3 +298,19 @@ async def test_a_cancelled_call_leaves_its_key_unknown(launcher: Launcher) -> No
     assert effects(launcher.folder) == ["hold-entered c"]
     assert answer.is_error
     assert outcome(answer) == UNKNOWN
+
+
+@pytest.mark.parametrize("launcher", ["http"], indirect=True)
+async def test_a_scope_keeps_the_keys_of_two_tenants_apart(launcher: Launcher) -> None:
+    """With scope= (here a header), two tenants' equal keys are two calls; each replays its own."""
+    arguments = {"invoice": "inv-8", "amount": 8}
+    answers: dict[str, list[CallToolResult]] = {"a": [], "b": []}
+    for tenant in ("a", "b", "a", "b"):
+        async with launcher.session("--scope-header", headers={"x-tenant": tenant}) as session:
+            answers[tenant].append(await session.call_tool("pay", arguments, meta=keyed("k-8")))
+    assert effects(launcher.folder) == ["pay inv-8 8", "pay inv-8 8"]
+    first_a, again_a = answers["a"]
+    first_b, again_b = answers["b"]
+    assert first_a.structured_content != first_b.structured_content
+    assert again_a.structured_content == first_a.structured_content
+    assert again_b.structured_content == first_b.structured_content

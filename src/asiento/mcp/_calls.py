@@ -1,4 +1,4 @@
-"""The SQLite table of calls an MCP server has seen, one row per idempotency key.
+"""The SQLite table of calls an MCP server has seen, one row per (scope, idempotency key).
 
 A row is written ``started`` (with its owner: host, pid, process start time and
 a lease) in the same transaction that finds the key unseen, so two processes
@@ -19,7 +19,7 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from asiento import _clock
 from asiento.errors import UsageError
@@ -27,7 +27,8 @@ from asiento.lease import Holder, is_dead_here
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS asiento_mcp_calls (
-    key TEXT PRIMARY KEY,
+    scope TEXT NOT NULL,
+    key TEXT NOT NULL,
     tool TEXT NOT NULL,
     fingerprint TEXT NOT NULL,
     status TEXT NOT NULL CHECK (status IN ('started', 'done', 'interrupted')),
@@ -37,7 +38,8 @@ CREATE TABLE IF NOT EXISTS asiento_mcp_calls (
     pid INTEGER NOT NULL,
     process_start TEXT NOT NULL,
     lease_until REAL NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    PRIMARY KEY (scope, key)
 );
 CREATE INDEX IF NOT EXISTS asiento_mcp_calls_created ON asiento_mcp_calls (created_at);
 """
@@ -45,6 +47,14 @@ CREATE INDEX IF NOT EXISTS asiento_mcp_calls_created ON asiento_mcp_calls (creat
 _BUSY_TIMEOUT_MS = 10_000
 
 Verdict = Literal["run", "replay", "in-progress", "unknown", "conflict"]
+_WHERE_MINE = "WHERE scope = ? AND key = ? AND owner = ? AND status = 'started'"
+
+
+class CallKey(NamedTuple):
+    """A call's name in the table: the client's key, within the scope the server gives it."""
+
+    scope: str
+    key: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,11 +75,11 @@ class CallTable:
         self.lease = lease
         self._local = threading.local()
         self._holder: Holder | None = None
-        self._running: set[str] = set()  # keys this process is running now
+        self._running: set[CallKey] = set()  # the calls this process is running now
         self._running_lock = threading.Lock()
         self._create()
 
-    def claim(self, key: str, tool: str, fingerprint: str) -> Seen:
+    def claim(self, key: CallKey, tool: str, fingerprint: str) -> Seen:
         """Start the call under ``key`` (verdict "run"), or say why it must not run.
 
         The verdict is reached inside the write transaction, so no call can finish
@@ -80,7 +90,9 @@ class CallTable:
         try:
             with self._transaction() as db:
                 self._sweep(db, now)
-                row = db.execute("SELECT * FROM asiento_mcp_calls WHERE key = ?", (key,)).fetchone()
+                row = db.execute(
+                    "SELECT * FROM asiento_mcp_calls WHERE scope = ? AND key = ?", key
+                ).fetchone()
                 if row is not None:
                     return self._judge(row, fingerprint, now)
                 inserting = True
@@ -93,26 +105,28 @@ class CallTable:
         return Seen(verdict="run")
 
     def _insert_started(
-        self, db: sqlite3.Connection, key: str, tool: str, fingerprint: str, now: float
+        self, db: sqlite3.Connection, key: CallKey, tool: str, fingerprint: str, now: float
     ) -> None:
         holder = self.holder()
         db.execute(
-            "INSERT INTO asiento_mcp_calls VALUES (?, ?, ?, 'started', NULL, ?, ?, ?, ?, ?, ?)",
-            (key, tool, fingerprint, holder.owner, holder.host, holder.pid, holder.started,
+            "INSERT INTO asiento_mcp_calls (scope, key, tool, fingerprint, status, owner, host, "
+            "pid, process_start, lease_until, created_at) "
+            "VALUES (?, ?, ?, ?, 'started', ?, ?, ?, ?, ?, ?)",
+            (*key, tool, fingerprint, holder.owner, holder.host, holder.pid, holder.started,
              now + self.lease, now),
         )  # fmt: skip
 
-    def finish(self, key: str, result: dict[str, Any]) -> None:
+    def finish(self, key: CallKey, result: dict[str, Any]) -> None:
         """Record the call's result: from now on the key replays it."""
         self._close(
             key, "UPDATE asiento_mcp_calls SET status = 'done', result = ?", (json.dumps(result),)
         )
 
-    def interrupt(self, key: str) -> None:
+    def interrupt(self, key: CallKey) -> None:
         """The call ended without a result: the key answers "unknown" from now on."""
         self._close(key, "UPDATE asiento_mcp_calls SET status = 'interrupted'", ())
 
-    def release(self, key: str) -> None:
+    def release(self, key: CallKey) -> None:
         """Forget the call (it did not run to an outcome): the key may run again."""
         self._close(key, "DELETE FROM asiento_mcp_calls", ())
 
@@ -125,9 +139,8 @@ class CallTable:
         until = _clock.now() + self.lease
         with self._transaction() as db:
             db.executemany(
-                "UPDATE asiento_mcp_calls SET lease_until = ? "
-                "WHERE key = ? AND owner = ? AND status = 'started'",
-                [(until, key, self.holder().owner) for key in keys],
+                f"UPDATE asiento_mcp_calls SET lease_until = ? {_WHERE_MINE}",
+                [(until, *key, self.holder().owner) for key in keys],
             )
 
     def holder(self) -> Holder:
@@ -136,18 +149,15 @@ class CallTable:
             self._holder = Holder.here()
         return self._holder
 
-    def _close(self, key: str, statement: str, values: tuple[Any, ...]) -> None:
+    def _close(self, key: CallKey, statement: str, values: tuple[Any, ...]) -> None:
         """Write how the call ended; it stops running here only once that is committed."""
         try:
             with self._transaction() as db:
-                db.execute(
-                    f"{statement} WHERE key = ? AND owner = ? AND status = 'started'",
-                    (*values, key, self.holder().owner),
-                )
+                db.execute(f"{statement} {_WHERE_MINE}", (*values, *key, self.holder().owner))
         finally:
             self._mark_running(key, False)
 
-    def _mark_running(self, key: str, running: bool) -> None:
+    def _mark_running(self, key: CallKey, running: bool) -> None:
         with self._running_lock:
             if running:
                 self._running.add(key)
@@ -167,7 +177,7 @@ class CallTable:
         """Whether the call's owner may still be running it (else nobody knows what it did)."""
         if row["owner"] == self.holder().owner:
             with self._running_lock:
-                return row["key"] in self._running
+                return CallKey(row["scope"], row["key"]) in self._running
         if is_dead_here(row["host"], row["pid"], row["process_start"]):
             return False
         return bool(row["lease_until"] > now)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -34,7 +34,7 @@ from mcp_types import INTERNAL_ERROR, CallToolResult, TextContent
 
 from asiento._canonical import fingerprint
 from asiento.errors import UsageError
-from asiento.mcp._calls import CallTable, Seen
+from asiento.mcp._calls import CallKey, CallTable, Seen
 
 # The names in ``_meta`` that both ends of the protocol read: one home.
 KEY_META = "asiento/idempotency-key"  # request: the step's key, a string
@@ -58,7 +58,10 @@ class IdempotencyKeys:
     the TTL the client declares for the tool. ``tools`` limits deduplication to
     those tool names (default: every tool). ``lease`` is how long a running call
     counts as running after its process stops renewing it, where the process
-    cannot be seen to be dead (another host or PID namespace).
+    cannot be seen to be dead (another host or PID namespace). ``scope``, given
+    the request's context, names whose keys these are (a tenant, an OAuth client
+    id): keys are compared only within one scope. Without it every client shares
+    one space of keys.
     """
 
     def __init__(
@@ -68,10 +71,12 @@ class IdempotencyKeys:
         ttl: float | timedelta,
         tools: Collection[str] | None = None,
         lease: float | timedelta = 30.0,
+        scope: Callable[[ServerRequestContext[Any, Any]], str] | None = None,
     ) -> None:
         self._calls = CallTable(path, ttl=_seconds("ttl", ttl), lease=_seconds("lease", lease))
         self._tools = None if tools is None else frozenset(tools)
         self._renewer = _Renewer(self._calls)
+        self._scope = scope
 
     async def __call__(
         self, ctx: ServerRequestContext[Any, Any], call_next: CallNext
@@ -82,21 +87,33 @@ class IdempotencyKeys:
             return await call_next(ctx)
         if not isinstance(call.key, str) or not 0 < len(call.key) <= MAX_KEY_LENGTH:
             return _refusal(BAD_KEY, _bad_key(call.key))
-        seen = await self._claim(call)
+        name = CallKey(self._scope_of(ctx), call.key)
+        seen = await self._claim(name, call)
         if seen.verdict == "run":
-            return await self._run(call, ctx, call_next)
+            return await self._run(name, ctx, call_next)
         return _answer(seen, call)
 
     def close(self) -> None:
         """Stop renewing leases (calls still running count as running until theirs expire)."""
         self._renewer.stop()
 
-    async def _claim(self, call: _Call) -> Seen:
+    def _scope_of(self, ctx: ServerRequestContext[Any, Any]) -> str:
+        if self._scope is None:
+            return ""
+        scope = self._scope(ctx)
+        if not isinstance(scope, str):
+            raise UsageError(
+                f"IdempotencyKeys(scope=...) must return a str, got {type(scope).__name__}: "
+                "the server's to fix; the tool did not run"
+            )
+        return scope
+
+    async def _claim(self, name: CallKey, call: _Call) -> Seen:
         """Claim the key, shielded: a claim made must reach ``_run``, which closes it."""
         try:
             with anyio.CancelScope(shield=True):
                 seen = await anyio.to_thread.run_sync(
-                    self._calls.claim, call.key, call.tool, call.fingerprint
+                    self._calls.claim, name, call.tool, call.fingerprint
                 )
         except Exception as exc:
             raise MCPError(
@@ -107,7 +124,7 @@ class IdempotencyKeys:
         return seen
 
     async def _run(
-        self, call: _Call, ctx: ServerRequestContext[Any, Any], call_next: CallNext
+        self, name: CallKey, ctx: ServerRequestContext[Any, Any], call_next: CallNext
     ) -> HandlerResult:
         """Run the tool once under a renewed lease and record how it ended."""
         self._renewer.start()
@@ -115,23 +132,23 @@ class IdempotencyKeys:
             result = _wire(await call_next(ctx))
         except (MCPError, UrlElicitationRequiredError):
             # A protocol answer (an unknown tool, input to ask for): the tool did not act.
-            await _shielded(self._calls.release, call.key)
+            await _shielded(self._calls.release, name)
             raise
         except BaseException:
-            await _shielded(self._calls.interrupt, call.key)
+            await _shielded(self._calls.interrupt, name)
             raise
         if result.get("resultType") == "input_required":
-            await _shielded(self._calls.release, call.key)  # it asks for input: no outcome yet
+            await _shielded(self._calls.release, name)  # it asks for input: no outcome yet
             return result
-        await self._record(call, result)
+        await self._record(name, result)
         return result
 
-    async def _record(self, call: _Call, result: dict[str, Any]) -> None:
+    async def _record(self, name: CallKey, result: dict[str, Any]) -> None:
         try:
-            await _shielded(self._calls.finish, call.key, result)
+            await _shielded(self._calls.finish, name, result)
         except Exception:
             # The client still gets the result; a retry under the key hears "unknown".
-            _log.exception("asiento could not record the result of key %r", call.key)
+            _log.exception("asiento could not record the result of key %r", name.key)
 
 
 class _Call:
