@@ -46,7 +46,7 @@ def mcp_server(args: argparse.Namespace) -> McpServer:
     where: dict[str, Any] = (
         {"url": args.url} if args.url else {"command": [sys.executable, str(SERVER), "stdio"]}
     )
-    env = {k: v for k, v in os.environ.items() if k.startswith("MCP_")}
+    env = {k: v for k, v in os.environ.items() if k.startswith("MCP_") or k == "PYTHONPATH"}
     return McpServer(
         "notes",
         **where,

@@ -7,9 +7,10 @@ Every tool that applies something appends one line to the ledger (``MCP_LEDGER``
 fsynced): ``tool key arguments``; the tests count what really happened there. With
 ``MCP_HOLD=tool`` that tool, once it applied, waits for the gate file (``MCP_GATE``)
 to exist, so a test can kill someone while the call is in flight. ``transfer``
-deduplicates by the asiento key in the call's ``_meta`` (SQLite at ``MCP_DEDUP``):
-a repeated key gets the first result, ``in-progress`` while this process still runs
-the first call, ``unknown`` when a process that died ran it. ``MCP_VARIANT=drift``
+deduplicates by the asiento key in the call's ``_meta`` with
+``asiento.mcp.server.IdempotencyKeys`` (SQLite at ``MCP_DEDUP``): a repeated key gets
+the first result, ``in-progress`` while the first call still runs, ``unknown`` when it
+never finished. ``MCP_VARIANT=drift``
 serves ``lookup`` with one more parameter.
 """
 
@@ -18,18 +19,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sqlite3
 import sys
 from typing import Any
 
 import anyio
 from mcp.server.mcpserver import Context, MCPServer
-from mcp_types import CallToolResult, TextContent, ToolAnnotations
+from mcp_types import ToolAnnotations
+
+from asiento.mcp.server import IdempotencyKeys
 
 KEY = "asiento/idempotency-key"
 HOLD_SECONDS = 60.0
 
-app = MCPServer("notes")
+# ``transfer`` is deduplicated by asiento's own server helper, the other end of the key.
+keys = IdempotencyKeys(os.environ["MCP_DEDUP"], ttl=3600, tools={"transfer"})
+app = MCPServer("notes", middleware=[keys])
 
 
 def _key(ctx: Context) -> str:
@@ -101,38 +105,13 @@ async def delete_note(note_id: str, ctx: Context) -> str:
     annotations=ToolAnnotations(idempotent_hint=False, destructive_hint=False),
     structured_output=False,
 )
-async def transfer(amount: int, ctx: Context) -> Any:
-    """Move money; deduplicated by the asiento key in _meta."""
-    key = _key(ctx)
-    db = sqlite3.connect(os.environ["MCP_DEDUP"], isolation_level=None)
-    try:
-        db.execute("CREATE TABLE IF NOT EXISTS calls (key TEXT PRIMARY KEY, pid INT, result TEXT)")
-        row = db.execute("SELECT pid, result FROM calls WHERE key = ?", (key,)).fetchone()
-        if row is not None:
-            return _repeat(row[0], row[1])
-        db.execute("INSERT INTO calls VALUES (?, ?, NULL)", (key, os.getpid()))
-        # The work goes on when the client goes away (as a payment does): the result is
-        # stored for whoever asks again with the key.
-        with anyio.CancelScope(shield=True):
-            await _applied("transfer", ctx, {"amount": amount})
-            result = f"moved {amount}"
-            db.execute("UPDATE calls SET result = ? WHERE key = ?", (result, key))
-        return result
-    finally:
-        db.close()
-
-
-def _repeat(pid: int, result: str | None) -> Any:
-    if result is not None:
-        return result
-    outcome = "in-progress" if pid == os.getpid() else "unknown"
-    return CallToolResult.model_validate(
-        {
-            "content": [TextContent(type="text", text=f"first call: {outcome}")],
-            "isError": True,
-            "_meta": {"asiento/outcome": outcome},
-        }
-    )
+async def transfer(amount: int, ctx: Context) -> str:
+    """Move money; deduplicated by the asiento key in _meta (``IdempotencyKeys``)."""
+    # The work goes on when the client goes away (as a payment does): the middleware
+    # records its result for whoever asks again with the key.
+    with anyio.CancelScope(shield=True):
+        await _applied("transfer", ctx, {"amount": amount})
+    return f"moved {amount}"
 
 
 if __name__ == "__main__":

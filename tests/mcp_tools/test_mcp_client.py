@@ -79,7 +79,7 @@ def test_a_server_takes_a_command_or_a_url() -> None:
 
 
 def _stdio(rig: Rig, **options: Any) -> McpServer:
-    env = {k: v for k, v in rig.env().items() if k.startswith("MCP_")}
+    env = {k: v for k, v in rig.env().items() if k.startswith("MCP_") or k == "PYTHONPATH"}
     return McpServer("notes", command=[sys.executable, str(SERVER), "stdio"], env=env, **options)
 
 
@@ -286,3 +286,34 @@ def test_destructive_policy_asks_only_for_destructive_tools() -> None:
         "rm": Decision.REQUIRE_APPROVAL,
         "ls": Decision.ALLOW,
     }
+
+
+def test_both_ends_spell_the_protocol_the_same() -> None:
+    """The client's names (asiento.mcp) are the server helper's (asiento.mcp.server)."""
+    from asiento import mcp
+    from asiento.mcp import server
+
+    assert mcp.IDEMPOTENCY_KEY == server.KEY_META == "asiento/idempotency-key"
+    assert mcp.OUTCOME == server.OUTCOME_META == "asiento/outcome"
+    assert (mcp.IN_PROGRESS, mcp.UNKNOWN, mcp.CONFLICT) == (
+        server.IN_PROGRESS,
+        server.UNKNOWN,
+        server.CONFLICT,
+    )
+
+
+async def test_a_key_the_server_saw_with_other_arguments_is_a_conflict(rig: Rig) -> None:
+    """A server (IdempotencyKeys) that saw the key with other arguments answers
+    "conflict": IdempotencyKeyConflict, never an outcome, and nothing runs twice."""
+    from asiento.effects import IdempotencyKeyConflict
+    from asiento.payloads import Intent
+
+    async with _stdio(rig, trusted=True) as server:
+        transfer = {t.name: t for t in await server.tools()}["transfer"]
+        first = Intent(tool="transfer", args={"amount": 1}, fp="-", idem_key="run-x:m1.t1:aaaaaa")
+        done = await transfer.runner.execute(transfer, first, None, via="publish", attempts=1)
+        assert done.value == "moved 1"
+        other = Intent(tool="transfer", args={"amount": 2}, fp="-", idem_key=first.idem_key)
+        with pytest.raises(IdempotencyKeyConflict, match="other arguments"):
+            await transfer.runner.execute(transfer, other, None, via="publish", attempts=1)
+    assert len(rig.ledger()) == 1

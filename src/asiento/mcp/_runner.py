@@ -24,12 +24,12 @@ from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT, CallToolResult
 
 from .. import outcomes
 from .._canonical import idem_key
-from ..effects.base import Reconcile, distrust_key, reconcile
+from ..effects.base import IdempotencyKeyConflict, Reconcile, distrust_key, reconcile
 from ..errors import McpCallLost, UsageError
 from ..payloads import Intent, Outcome
 from ..tools import Found, Reconciled, Tool, Unknown
 from ._connection import LinkGone
-from ._keys import IN_PROGRESS, OUTCOME, UNKNOWN
+from ._keys import CONFLICT, IN_PROGRESS, OUTCOME, UNKNOWN
 from ._tool import McpTool
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ class McpRunner:
         answer = await self._answer(mcp_tool, intent)
         if isinstance(answer, Outcome):
             return answer
+        _refuse_conflict(mcp_tool, answer, intent)
         if _flag(answer) == UNKNOWN:
             if mcp_tool.idempotent:
                 return Outcome.failed(_unknown_why(mcp_tool), attempts=attempts)
@@ -87,6 +88,7 @@ class McpRunner:
         answer = await self._answer(mcp_tool, intent)
         if isinstance(answer, Outcome):
             return Found(replace(answer, attempts=attempts + 1))
+        _refuse_conflict(mcp_tool, answer, intent)
         if _flag(answer) == UNKNOWN:
             return Unknown(_unknown_why(mcp_tool))
         return Found(_recorded(answer, "republish", attempts + 1))
@@ -130,6 +132,15 @@ def _flag(result: CallToolResult) -> Any:
     if not result.is_error or not isinstance(result.meta, Mapping):
         return None
     return result.meta.get(OUTCOME)
+
+
+def _refuse_conflict(tool: McpTool, result: CallToolResult, intent: Intent) -> None:
+    """A key the server saw with other arguments is never an outcome: a person looks."""
+    if _flag(result) == CONFLICT:
+        raise IdempotencyKeyConflict(
+            f"MCP server {tool.server!r} refused key {intent.idem_key!r} for tool "
+            f"{tool.remote_name!r}: it was first used with other arguments ({_text(result)[:200]})"
+        )
 
 
 def _recorded(result: CallToolResult, via: str, attempts: int) -> Outcome:
