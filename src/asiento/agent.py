@@ -108,13 +108,12 @@ class Agent:
             "instructions": instructions,
             "tools": [s.to_json() for s in self.schemas],
         }
+        # Tools from elsewhere (MCP) add what they depend on to the fingerprint, and m1
+        # records their digests; a run of local tools keeps the records it always had.
         sources = {t.name: t.source for t in tools if t.source is not None}
-        self.digests: dict[str, str] | None = (
-            None  # recorded with m1 when tools come from elsewhere
-        )
-        if sources:  # only then: a run of local tools keeps the fingerprint it always had
+        self.digests: dict[str, str] | None = _digests(tools) if sources else None
+        if sources:
             self.head["sources"] = sources
-            self.digests = _digests(tools)
 
     def run(self, task: str, *, session: Session) -> AsyncIterator[Step]:
         """Drive the run to its end or to a point that needs a person, yielding each step."""

@@ -52,13 +52,13 @@ class ModelResult:
     @classmethod
     def from_json(cls, payload: Mapping[str, Any]) -> ModelResult:
         cost, tools = payload.get("cost"), payload.get("tools")
+        if isinstance(tools, Mapping):
+            tools = {str(name): str(digest) for name, digest in tools.items()}
         return cls(
             fp=str(payload.get("fp", "")),
             response=ModelResponse.from_json(payload["response"]),
             cost=None if cost is None else float(cost),
-            tools={str(k): str(v) for k, v in tools.items()}
-            if isinstance(tools, Mapping)
-            else None,
+            tools=tools if isinstance(tools, dict) else None,
         )
 
 
