@@ -92,13 +92,18 @@ FIGURES: dict[str, list[str]] = {
         r"status in the index: closed\n",
         r"a worker afterwards: found work False, claimed 0, model calls and payments 0 ",
     ],
-    "13_streaming": [
+    "14_streaming": [
         r"1\s+killed by SIGKILL\s+1\s+killed by SIGKILL",
         r"2\s+exit 0\s+1\s+StreamRestart\(m1, attempt 2\) · \d+ deltas · ModelStep · "
         r"FinalStep\(replayed=False\)",
         r"3\s+exit 0\s+0\s+FinalStep\(replayed=True\)",
         r"pass 2 text equals the recorded answer: True",
         r"records of m1 after pass 2: 1\n",
+    ],
+    "13_mcp": [
+        r"consultar\s+killed by SIGKILL\s+closed\s+2\s+2\s+1\n",
+        r"enviar\s+killed by SIGKILL\s+UncertainEffect\s+1\s+1\s+1\n",
+        r"cobrar\s+killed by SIGKILL\s+closed\s+2\s+1\s+1\n",
     ],
 }
 README = EXAMPLES / "README.md"

@@ -20,6 +20,8 @@ from .errors import (
     JournalTooNew,
     LeaseLost,
     MaxTurnsExceeded,
+    McpCallLost,
+    McpServerUnavailable,
     MigrationFailed,
     NotAJournal,
     RecordTooLarge,
@@ -28,6 +30,7 @@ from .errors import (
     RunClosed,
     RunError,
     RunLocked,
+    ToolUnavailable,
     UncertainEffect,
     UsageError,
 )
@@ -55,7 +58,7 @@ from .journal.url import open_store
 from .lease import Holder
 from .ledger import Price
 from .model import Gateway, Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
-from .policy import Policy, allow_all, require_approval_for
+from .policy import Policy, allow_all, require_approval_for, require_approval_for_destructive
 from .session import RunStats, Session
 from .shutdown import ShutdownRequested
 from .streaming import (
@@ -110,6 +113,8 @@ __all__ = [
     "Lease",
     "LeaseLost",
     "MaxTurnsExceeded",
+    "McpCallLost",
+    "McpServerUnavailable",
     "MemoryCheckpointer",
     "Message",
     "MigrationFailed",
@@ -150,6 +155,7 @@ __all__ = [
     "ToolCallPart",
     "ToolSchema",
     "ToolStep",
+    "ToolUnavailable",
     "UncertainEffect",
     "Usage",
     "UsageError",
@@ -165,6 +171,7 @@ __all__ = [
     "open_store",
     "raise_budget",
     "require_approval_for",
+    "require_approval_for_destructive",
     "resolve",
     "submit",
     "tool",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, cast, overload
 
@@ -29,6 +29,7 @@ from .errors import (
     MaxTurnsExceeded,
     ReplayDivergence,
     RunAbandoned,
+    ToolUnavailable,
     UncertainEffect,
     UsageError,
 )
@@ -67,7 +68,7 @@ from .payloads import (
     StreamAttempt,
 )
 from .policy import Policy, allow_all, ask_policy
-from .replay import Action, Records, StepState, decide, index, step_state
+from .replay import Action, Records, StepState, decide, index, step_state, tool_drift
 from .session import Session
 from .streaming import (
     Delta,
@@ -115,7 +116,16 @@ class Agent:
         self.policy: Policy = policy or allow_all
         self.max_turns = max_turns
         self.schemas = tuple(t.schema for t in tools)
-        self.head = {"instructions": instructions, "tools": [s.to_json() for s in self.schemas]}
+        self.head: dict[str, Any] = {
+            "instructions": instructions,
+            "tools": [s.to_json() for s in self.schemas],
+        }
+        # Tools from elsewhere (MCP) add what they depend on to the fingerprint, and m1
+        # records their digests; a run of local tools keeps the records it always had.
+        sources = {t.name: t.source for t in tools if t.source is not None}
+        self.digests: dict[str, str] | None = _digests(tools) if sources else None
+        if sources:
+            self.head["sources"] = sources
 
     @overload
     def run(
@@ -404,10 +414,14 @@ class _Pass:
     def _replay_model(self, step_id: str, fp: str, recorded: StepEvent) -> ModelResponse:
         result = ModelResult.from_json(recorded.payload)
         if result.fp != fp:
+            drift = None
+            if result.tools is not None:
+                drift = tool_drift(result.tools, _digests(self.agent.tools.values()))
             raise ReplayDivergence(
                 self.run_id,
                 step_id,
-                f"the recorded request has fingerprint {result.fp[:12]}…, "
+                drift
+                or f"the recorded request has fingerprint {result.fp[:12]}…, "
                 f"the resumed run would send {fp[:12]}…",
             )
         response = result.response
@@ -454,7 +468,8 @@ class _Pass:
         self.stats.cost += cost or 0.0
         repaid = 0 if response.kept else len(self._cut_attempts(step_id))
         self.stats.model_calls_repaid += repaid
-        result = ModelResult(fp=fp, response=response, cost=cost, repaid=repaid)
+        tools = self.agent.digests if step_id == step_ids.model(1) else None
+        result = ModelResult(fp=fp, response=response, cost=cost, repaid=repaid, tools=tools)
         self.spent.add(result)
         self._record(step_id, Phase.RESULT, result)
         self.waiting.append(
@@ -610,6 +625,10 @@ class _Pass:
             outcome = await tool.runner.execute(
                 tool, intent, ready.kwargs, via=ready.via, attempts=ready.attempts
             )
+        except ToolUnavailable as exc:  # it never left: the step runs on the next pass
+            unsent = Resolution(happened=False, by="asiento", reason=str(exc)[:500])
+            self._record(ready.attempt_id, Phase.RESOLUTION, unsent)
+            raise
         finally:
             context.leave(token)
         self.stats.tool_calls += 1
@@ -803,6 +822,11 @@ def _argument_problem(
         return None, tool.validate(call.arguments)
     except ToolArgumentsError as exc:
         return str(exc), None
+
+
+def _digests(tools: Iterable[Tool]) -> dict[str, str]:
+    """Each tool's name and a digest of its schema and source: what m1 records of them."""
+    return {t.name: fingerprint([t.schema.to_json(), t.source])[:16] for t in tools}
 
 
 def _with_call_ids(response: ModelResponse, step_id: str) -> ModelResponse:

@@ -28,6 +28,11 @@
     │   ├── ApprovalError       an approval does not apply: ApprovalRefused or ApprovalMismatch
     │   ├── MaxTurnsExceeded    the model kept asking for tools past the agent's bound
     │   ├── IdempotencyKeyConflict  the destination saw the key with other parameters (effects)
+    │   ├── ToolUnavailable     a tool's destination cannot be reached and nothing was sent:
+    │   │   │                   recorded as not happened, the step runs on resume
+    │   │   └── McpServerUnavailable  an MCP server cannot be reached or started (mcp)
+    │   ├── McpCallLost         an MCP server went away with a call in flight: the step is
+    │   │                       settled on resume (re-run, same key, or UncertainEffect) (mcp)
     │   ├── ShutdownRequested   a shutdown was asked for: the run stopped between steps (shutdown)
     │   └── ModelCallFailed     the model could not be asked or answered badly (gateways)
     │       ├── ModelRequestRejected  the provider refused the request: the caller's to fix
@@ -223,6 +228,34 @@ class ApprovalMismatch(ApprovalError, JournalError):
     """The journal holds an approval given for other arguments than the step froze.
 
     It approves nothing: the step waits for a decision on its own arguments.
+    """
+
+
+class ToolUnavailable(RunError):
+    """A tool's destination cannot be reached, and the call certainly never left.
+
+    Raised by a runner's ``execute``: the loop records that the step did not happen
+    (a resolution by asiento), so the run stops with nothing recorded as happened and
+    the step runs, once, when the run is resumed with its destination back.
+    """
+
+
+class McpServerUnavailable(ToolUnavailable):
+    """An MCP server cannot be started or reached: nothing was sent to it.
+
+    Listing its tools raises it before a run starts; a call raises it when the server
+    cannot be reached again before the request is sent. Start the server (or fix its
+    command, URL or headers) and resume the run.
+    """
+
+
+class McpCallLost(RunError):
+    """An MCP server went away (or stopped answering) with a call in flight.
+
+    Nobody knows yet whether the call happened: the step stays submitted, and the
+    resumed run settles it by the tool's treatment: a repeat-safe tool runs again, a
+    key-honouring one is called again with the same key, any other is an
+    ``UncertainEffect`` for a person to resolve.
     """
 
 

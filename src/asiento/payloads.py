@@ -38,6 +38,9 @@ class ModelResult:
     response: ModelResponse
     cost: float | None = None
     repaid: int = 0  # streamed attempts of this step cut before it: generations paid, lost
+    # The first model step of a run whose tools come from elsewhere (an MCP server):
+    # each tool's name and digest, so a resumed run can name the tools that changed.
+    tools: Mapping[str, str] | None = None
 
     def to_json(self) -> Json:
         payload: Json = {"fp": self.fp, "response": self.response.to_json()}
@@ -45,16 +48,21 @@ class ModelResult:
             payload["cost"] = self.cost
         if self.repaid:
             payload["repaid"] = self.repaid
+        if self.tools is not None:
+            payload["tools"] = dict(self.tools)
         return payload
 
     @classmethod
     def from_json(cls, payload: Mapping[str, Any]) -> ModelResult:
-        cost = payload.get("cost")
+        cost, tools = payload.get("cost"), payload.get("tools")
+        if isinstance(tools, Mapping):
+            tools = {str(name): str(digest) for name, digest in tools.items()}
         return cls(
             fp=str(payload.get("fp", "")),
             response=ModelResponse.from_json(payload["response"]),
             cost=None if cost is None else float(cost),
             repaid=int(payload.get("repaid", 0)),
+            tools=tools if isinstance(tools, dict) else None,
         )
 
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING
 
 from .errors import UsageError
 from .events import Decision
 from .model import ToolCall
+
+if TYPE_CHECKING:
+    from .tools import Tool
 
 Policy = Callable[[ToolCall], "Decision | str | Awaitable[Decision | str]"]
 
@@ -27,6 +31,16 @@ def require_approval_for(*names: str) -> Policy:
         return Decision.REQUIRE_APPROVAL if call.name in wanted else Decision.ALLOW
 
     return policy
+
+
+def require_approval_for_destructive(tools: Iterable[Tool]) -> Policy:
+    """A policy that asks a person before any of ``tools`` that is destructive runs.
+
+    A tool is destructive when its treatment says so (``Tool.destructive``): an MCP
+    tool by its annotations (``destructiveHint`` true or absent, not read-only), every
+    tool of an untrusted server. Local tools and the rest are allowed.
+    """
+    return require_approval_for(*(t.name for t in tools if t.destructive))
 
 
 async def ask_policy(policy: Policy, call: ToolCall) -> Decision:

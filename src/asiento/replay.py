@@ -94,6 +94,24 @@ def same_fingerprint(shown: object, frozen: object) -> bool:
     return shown == frozen
 
 
+def tool_drift(recorded: Mapping[str, str], now: Mapping[str, str]) -> str | None:
+    """What changed between the tools a run was recorded with and the ones it has now
+    (name -> digest of schema and source), in words; None when nothing did."""
+    gone = sorted(set(recorded) - set(now))
+    new = sorted(set(now) - set(recorded))
+    changed = sorted(n for n in set(recorded) & set(now) if recorded[n] != now[n])
+    parts = [
+        f"{label} {', '.join(repr(n) for n in names)}"
+        for label, names in (
+            ("no longer offered:", gone),
+            ("new:", new),
+            ("changed (schema, description, annotations or treatment):", changed),
+        )
+        if names
+    ]
+    return f"the tools changed since it was recorded; {'; '.join(parts)}" if parts else None
+
+
 class Waits(StrEnum):
     """What a tool step waits for, as the decision table judges it."""
 

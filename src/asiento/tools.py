@@ -198,6 +198,21 @@ class Tool:
         return result
 
     @property
+    def destructive(self) -> bool:
+        """Whether ``require_approval_for_destructive`` asks a person before it runs.
+
+        An MCP tool says so by its annotations (every tool of an untrusted server is);
+        a local tool is the user's own code, and is not.
+        """
+        return False
+
+    @property
+    def source(self) -> Any:
+        """What a run depends on beyond the tool's schema, as JSON (an MCP tool's server,
+        annotations and treatment): part of the run's fingerprint. None for a local tool."""
+        return None
+
+    @property
     def effect(self) -> Any:
         """The ``Effect`` this tool publishes through, if it is one (else None)."""
         return getattr(self.runner, "effect", None)

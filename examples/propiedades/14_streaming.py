@@ -13,7 +13,7 @@ in pieces of 4 characters). Three processes, one SQLite file:
 
 Each process counts the generations it started in an fsynced file.
 
-    python examples/propiedades/13_streaming.py
+    python examples/propiedades/14_streaming.py
 """
 
 from __future__ import annotations
