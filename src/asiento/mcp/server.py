@@ -35,15 +35,21 @@ from mcp_types import INTERNAL_ERROR, CallToolResult, TextContent
 from asiento._canonical import fingerprint
 from asiento.errors import UsageError
 from asiento.mcp._calls import CallKey, CallTable, Seen
+from asiento.mcp._keys import (
+    BAD_KEY,
+    CONFLICT,
+    IDEMPOTENCY_KEY,
+    IN_PROGRESS,
+    OUTCOME,
+    REPLAYED,
+    UNKNOWN,
+)
 
 # The names in ``_meta`` that both ends of the protocol read: one home.
-KEY_META = "asiento/idempotency-key"  # request: the step's key, a string
-REPLAYED_META = "asiento/replayed"  # result: true when answered from the record
-OUTCOME_META = "asiento/outcome"  # error result: why the tool did not run
-IN_PROGRESS = "in-progress"
-UNKNOWN = "unknown"
-CONFLICT = "conflict"
-BAD_KEY = "bad-key"
+# The names both ends agree on live in ``_keys``; these are the server's names for them.
+KEY_META = IDEMPOTENCY_KEY
+REPLAYED_META = REPLAYED
+OUTCOME_META = OUTCOME
 
 MAX_KEY_LENGTH = 1024
 _log = logging.getLogger(__name__)
