@@ -286,7 +286,8 @@ async def test_a_cancelled_call_leaves_its_key_unknown(launcher: Launcher) -> No
             group.start_soon(cancelled_call)
             await wait_for_file(launcher.folder / "entered-c")
             group.cancel_scope.cancel()
-        (launcher.folder / "release-c").touch()  # a tool run again would not wait
+        # Not released yet: released before the server saw the cancellation, the tool would
+        # finish and record its result (the test raced that way under load).
         with anyio.fail_after(_WAIT):
             while (
                 outcome(
@@ -295,6 +296,7 @@ async def test_a_cancelled_call_leaves_its_key_unknown(launcher: Launcher) -> No
                 == IN_PROGRESS
             ):
                 await anyio.sleep(0.02)  # the server has not seen the cancellation yet
+        (launcher.folder / "release-c").touch()
     assert effects(launcher.folder) == ["hold-entered c"]
     assert answer.is_error
     assert outcome(answer) == UNKNOWN
