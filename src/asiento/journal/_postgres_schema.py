@@ -16,6 +16,12 @@ MIGRATION_LOCK = 0x41534E54
 # Lease times come from the server's clock: the one clock every worker shares.
 NOW = "extract(epoch FROM statement_timestamp())::float8"
 
+# Run ids compare byte by byte, as on SQLite, whatever the database's collation.
+C = ' COLLATE "C"'
+
+# How full an insert leaves a page of ``runs``: room for in-place (HOT) updates.
+FILLFACTOR = 80
+
 CREATE_VERSIONS = """
 CREATE TABLE IF NOT EXISTS asiento_schema (
     version    integer PRIMARY KEY,
@@ -67,7 +73,8 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )
         """,
         "CREATE INDEX runs_by_status ON runs (status)",
-        # What claim() scans: submitted runs that may need work, oldest update first.
+        # What claim() scanned until migration 5: submitted runs that may need work, oldest
+        # update first.
         """
         CREATE INDEX runs_claimable ON runs (updated_at, run_id COLLATE "C")
         WHERE status = 'running' AND task IS NOT NULL
@@ -99,6 +106,24 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE journal ADD COLUMN written_at double precision",
         f"ALTER TABLE journal ALTER COLUMN written_at SET DEFAULT {NOW}",
     ),
+    # 5: claims order by ``queued_at``, the time a run last joined the queue, which no
+    # plain append changes: ``runs_claimable`` indexed ``updated_at``, which every append
+    # set, so almost no append could update the run's row in place (HOT). Existing runs
+    # keep their place (queued at their last update, the order claims had). A fill
+    # factor of 80 leaves a fifth of each page for the updated copies of its rows
+    # (docs/performance.md has the figures); it applies to pages written from now on.
+    (
+        "ALTER TABLE runs ADD COLUMN queued_at double precision",
+        "UPDATE runs SET queued_at = updated_at",
+        "ALTER TABLE runs ALTER COLUMN queued_at SET NOT NULL",
+        f"ALTER TABLE runs ALTER COLUMN queued_at SET DEFAULT {NOW}",
+        "DROP INDEX runs_claimable",
+        f"""
+        CREATE INDEX runs_claimable ON runs ({rules.queue_order(C)})
+        WHERE status = 'running' AND task IS NOT NULL
+        """,
+        f"ALTER TABLE runs SET (fillfactor = {FILLFACTOR})",
+    ),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -122,7 +147,7 @@ INSERT INTO runs (run_id, status, events, created_at, updated_at,
 VALUES (%(run_id)s, coalesce(%(status)s, 'running'), %(added)s, {NOW}, {NOW},
         %(calls)s, %(inp)s, %(out)s, %(cost)s, %(tools)s, %(cread)s, %(cwrite)s)
 ON CONFLICT (run_id) DO UPDATE SET
-    {rules.status_write("%(status)s", row="runs.")},
+    {rules.status_write("%(status)s", NOW, row="runs.")},
     events = runs.events + excluded.events,
     updated_at = excluded.updated_at,
     model_calls = runs.model_calls + excluded.model_calls,
@@ -139,7 +164,7 @@ RETURNING 1
 # The loop's append: the lease is checked, and extended, by the run's own update.
 APPEND_LEASED = f"""
 UPDATE runs SET
-    {rules.status_write("%(status)s")},
+    {rules.status_write("%(status)s", NOW)},
     events = events + %(added)s,
     updated_at = {NOW},
     model_calls = model_calls + %(calls)s,
@@ -181,8 +206,8 @@ WHERE run_id = %s
 
 SET_TTL = "UPDATE runs SET lease_ttl = %s WHERE run_id = %s AND fence = %s"
 
-RELEASE = """
-UPDATE runs SET lease_owner = NULL, lease_expires = NULL,
+RELEASE = f"""
+UPDATE runs SET lease_owner = NULL, lease_expires = NULL, {rules.requeue_released(NOW)},
     replayed_calls = replayed_calls + %s, saved_input_tokens = saved_input_tokens + %s,
     saved_output_tokens = saved_output_tokens + %s, saved_cost = saved_cost + %s,
     attempts = CASE WHEN %s THEN greatest(attempts - 1, 0) ELSE attempts END
@@ -192,7 +217,7 @@ WHERE run_id = %s AND fence = %s AND lease_owner = %s
 # Every status write but an append's (set_status, parking): ``postgres.set_status``
 # refuses to change a closed run before it gets here.
 SET_STATUS = f"""
-UPDATE runs SET {rules.status_write("%(status)s")}, updated_at = {NOW},
+UPDATE runs SET {rules.status_write("%(status)s", NOW)}, updated_at = {NOW},
     reason = coalesce(%(reason)s, reason)
 WHERE run_id = %(run_id)s
 """
@@ -217,10 +242,10 @@ CLAIM_MANY = f"""
 WITH picked AS (
     SELECT run_id FROM runs
     WHERE {rules.claimable(NOW)}
-    ORDER BY updated_at, run_id COLLATE "C" LIMIT %(limit)s
+    ORDER BY {rules.queue_order(C)} LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), parked AS (
-    UPDATE runs SET {rules.status_write("'parked'")}, updated_at = {NOW},
+    UPDATE runs SET {rules.status_write("'parked'", NOW)}, updated_at = {NOW},
         reason = {rules.parked_reason_sql()}
     FROM picked WHERE runs.run_id = picked.run_id AND {rules.parks_sql("%(max_attempts)s")}
     RETURNING runs.run_id
@@ -229,18 +254,18 @@ WITH picked AS (
         lease_started = %(started)s, lease_expires = {NOW} + %(ttl)s, lease_ttl = %(ttl)s,
         fence = fence + 1, attempts = attempts + 1
     FROM picked WHERE runs.run_id = picked.run_id AND NOT {rules.parks_sql("%(max_attempts)s")}
-    RETURNING runs.run_id, task, agent, attempts, fence, lease_expires, updated_at
+    RETURNING runs.run_id, task, agent, attempts, fence, lease_expires, queued_at
 )
 SELECT p.parked, t.run_id, t.task, t.agent, t.attempts, t.fence, t.lease_expires
 FROM (SELECT count(*) AS parked FROM parked) AS p LEFT JOIN taken AS t ON true
-ORDER BY t.updated_at, t.run_id COLLATE "C"
+ORDER BY t.queued_at, t.run_id COLLATE "C"
 """
 
 # Every run this holder holds a live lease on (the read-back of a cut-off claim_many).
 HELD_ALL = f"""
 SELECT run_id, task, agent, attempts, fence, {NOW} FROM runs
 WHERE lease_owner = %s AND lease_expires >= {NOW} AND status = 'running' AND task IS NOT NULL
-ORDER BY updated_at, run_id COLLATE "C"
+ORDER BY {rules.queue_order(C)}
 FOR UPDATE
 """
 

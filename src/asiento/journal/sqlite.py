@@ -68,13 +68,13 @@ _NO_ROOM = {
 _MAX_PARKED_PER_CLAIM = 100
 
 _UPSERT_RUN = f"""
-INSERT INTO runs (run_id, status, events, created_at, updated_at,
+INSERT INTO runs (run_id, status, events, created_at, updated_at, queued_at,
                   model_calls, input_tokens, output_tokens, cost, tool_steps,
                   cached_input_tokens, cache_write_tokens)
-VALUES (:run_id, coalesce(:status, 'running'), :added, :now, :now, :calls, :inp, :out, :cost,
-        :tools, :cread, :cwrite)
+VALUES (:run_id, coalesce(:status, 'running'), :added, :now, :now, :now, :calls, :inp, :out,
+        :cost, :tools, :cread, :cwrite)
 ON CONFLICT (run_id) DO UPDATE SET
-    {rules.status_write(":status", row="runs.")},
+    {rules.status_write(":status", ":now", row="runs.")},
     events = runs.events + :added,
     updated_at = :now,
     model_calls = runs.model_calls + :calls,
@@ -89,7 +89,7 @@ WHERE runs.{rules.STILL_OPEN}
 
 _APPEND_LEASED = f"""
 UPDATE runs SET
-    {rules.status_write(":status")},
+    {rules.status_write(":status", ":now")},
     events = events + :added,
     updated_at = :now,
     model_calls = model_calls + :calls,
@@ -122,6 +122,8 @@ UPDATE runs SET
 WHERE run_id = ?10 AND fence = ?11 AND lease_owner = ?12 AND lease_expires >= ?2
 """
 
+_REQUEUE_RELEASED = rules.requeue_released("?")
+
 _INSERT_RECORD = "INSERT INTO journal VALUES (?, ?, ?, ?, ?, ?)"
 
 _CHECK_LEASE = """
@@ -136,15 +138,17 @@ cached_input_tokens, cache_write_tokens"""
 
 # A closed run takes no other status (no row changes: ``RunClosed``).
 _SET_STATUS = f"""
-UPDATE runs SET {rules.status_write(":status")}, updated_at = :now,
+UPDATE runs SET {rules.status_write(":status", ":now")}, updated_at = :now,
     reason = coalesce(:reason, reason)
 WHERE run_id = :run_id AND ({rules.STILL_OPEN} OR :status = 'closed')
 """
 
+# INDEXED BY: without statistics, SQLite would rather read every running run by status
+# and sort them, whatever the size of the queue.
 _CLAIMABLE = f"""
-SELECT run_id, task, agent, attempts, reason, fence FROM runs
+SELECT run_id, task, agent, attempts, reason, fence FROM runs INDEXED BY runs_claimable
 WHERE {rules.claimable(":now")}
-ORDER BY updated_at, run_id LIMIT 1
+ORDER BY {rules.queue_order()} LIMIT 1
 """
 
 
@@ -329,9 +333,9 @@ class SqliteCheckpointer:
             row = self._db.execute(sql, (run_id,)).fetchone()
             if row is None:
                 self._db.execute(
-                    "INSERT INTO runs (run_id, status, events, created_at, updated_at)"
-                    " VALUES (?, 'running', 0, ?, ?)",
-                    (run_id, now, now),
+                    "INSERT INTO runs (run_id, status, events, created_at, updated_at, queued_at)"
+                    " VALUES (?, 'running', 0, ?, ?, ?)",
+                    (run_id, now, now, now),
                 )
                 row = (None, None, None, None, None, 0)
             owner, host, pid, started, expires, fence = row
@@ -373,12 +377,13 @@ class SqliteCheckpointer:
         saved = savings or Savings()
         with self._errors(), self._transaction():
             self._db.execute(
-                "UPDATE runs SET lease_owner = NULL, lease_expires = NULL,"
+                f"UPDATE runs SET lease_owner = NULL, lease_expires = NULL, {_REQUEUE_RELEASED},"
                 " replayed_calls = replayed_calls + ?, saved_input_tokens = saved_input_tokens + ?,"
                 " saved_output_tokens = saved_output_tokens + ?, saved_cost = saved_cost + ?,"
                 " attempts = CASE WHEN ? THEN max(attempts - 1, 0) ELSE attempts END"
                 " WHERE run_id = ? AND fence = ? AND lease_owner = ?",
                 (
+                    time.time(),
                     saved.calls,
                     saved.input_tokens,
                     saved.output_tokens,
@@ -462,9 +467,9 @@ class SqliteCheckpointer:
         with self._errors(), self._transaction():
             try:
                 self._db.execute(
-                    "INSERT INTO runs (run_id, status, events, created_at, updated_at, task, agent)"
-                    " VALUES (?, 'running', 0, ?, ?, ?, ?)",
-                    (run_id, now, now, task, agent),
+                    "INSERT INTO runs (run_id, status, events, created_at, updated_at, queued_at,"
+                    " task, agent) VALUES (?, 'running', 0, ?, ?, ?, ?, ?)",
+                    (run_id, now, now, now, task, agent),
                 )
             except sqlite3.IntegrityError:
                 raise UsageError(f"run {run_id!r} already exists in {self.path}") from None

@@ -231,11 +231,11 @@ class IndexTests:
     async def test_claim_that_parks_a_run_claims_the_next(self, store: Checkpointer) -> None:
         """A claim that parks an exhausted run goes on to claim the next run needing work."""
         await store.submit("job-1", "t1")
-        await store.submit("job-2", "t2")
         first = await store.claim(holder("w1"), ttl=30, max_attempts=1)
         assert first is not None
         assert first.lease.run_id == "job-1"
-        await store.release(first.lease)
+        await store.release(first.lease)  # back in the queue, ahead of job-2
+        await store.submit("job-2", "t2")
         second = await store.claim(holder("w1"), ttl=30, max_attempts=1)
         assert second is not None
         assert second.lease.run_id == "job-2"
