@@ -161,6 +161,7 @@ class _Pass:
         self.unrecorded: list[StepEvent] = []  # records an append refused (lease lost)
         self.ready: _Ready | None = None  # a tool step durable and about to run
         self.spent = budgets.Spent()  # what the model steps walked so far spent
+        self.budget_noted = False  # this pass recorded its budget in force (``ModelResult``)
 
     async def steps(self) -> AsyncIterator[Step]:
         final = await self.store.final(self.run_id)
@@ -300,8 +301,8 @@ class _Pass:
         if recorded is not None:
             response = self._replay_model(step_id, fp, recorded)
         else:
-            await self._check_budget(step_id)
-            response = await self._call_model(step_id, fp)
+            budget = await self._check_budget(step_id)
+            response = await self._call_model(step_id, fp, budget)
         self._add(Message(role="assistant", content=response.text, tool_calls=response.tool_calls))
         return response
 
@@ -330,7 +331,9 @@ class _Pass:
         self.counted.add(step_id)
         return True
 
-    async def _call_model(self, step_id: str, fp: str) -> ModelResponse:
+    async def _call_model(
+        self, step_id: str, fp: str, budget: budgets.Budget | None
+    ) -> ModelResponse:
         key = model_key(self.run_id, step_id, fp)
         messages = ConversationPrefix(self.messages, len(self.messages))  # never copied
         request = ModelRequest(
@@ -345,7 +348,9 @@ class _Pass:
         self.stats.output_tokens += response.usage.output_tokens
         cost = cost_of(response.usage, response.model, self.session.prices)
         self.stats.cost += cost or 0.0
-        result = ModelResult(fp=fp, response=response, cost=cost)
+        noted = None if budget is None or self.budget_noted else budget.limits()
+        self.budget_noted = self.budget_noted or noted is not None
+        result = ModelResult(fp=fp, response=response, cost=cost, budget=noted)
         self.spent.add(result)
         self._record(step_id, Phase.RESULT, result)
         self.waiting.append(
@@ -353,19 +358,20 @@ class _Pass:
         )
         return response
 
-    async def _check_budget(self, step_id: str) -> None:
-        """Before a new (paid) call: stop, suspended and resumable, if the budget is spent.
+    async def _check_budget(self, step_id: str) -> budgets.Budget | None:
+        """Before a new (paid) call: stop, suspended and resumable, if the budget is spent;
+        else the budget in force (None: the run has none).
 
         The stop is recorded (``budget{n}``, what was spent against which limit) and the
         run waits for a person's raise there; a raise recorded after this pass read the
         journal is not lost: the conditional status sees it and the pass walks again.
         """
         if self.agent.budget is None:
-            return
+            return None
         budget = budgets.in_force(self.agent.budget, self.journal)
         limit = budgets.reached(budget, self.spent)
         if limit is None:
-            return
+            return budget
         stop_id = budgets.open_stop(self.journal)
         stop = BudgetStop(
             limit=limit, spent=self.spent.as_limits(), budget=budget.limits(), before=step_id

@@ -32,25 +32,33 @@ SUBMITTED: Mapping[str, Any] = {}
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelResult:
-    """A model step: what was asked (its fingerprint), what came back, what it cost."""
+    """A model step: what was asked (its fingerprint), what came back, what it cost.
+
+    ``budget``: a budgeted run's limits in force, recorded with the first new call of
+    each pass (so the run index shows a budget before any stop); absent otherwise.
+    """
 
     fp: str
     response: ModelResponse
     cost: float | None = None
+    budget: Mapping[str, float | None] | None = None
 
     def to_json(self) -> Json:
         payload: Json = {"fp": self.fp, "response": self.response.to_json()}
         if self.cost is not None:
             payload["cost"] = self.cost
+        if self.budget is not None:
+            payload["budget"] = dict(self.budget)
         return payload
 
     @classmethod
     def from_json(cls, payload: Mapping[str, Any]) -> ModelResult:
-        cost = payload.get("cost")
+        cost, budget = payload.get("cost"), payload.get("budget")
         return cls(
             fp=str(payload.get("fp", "")),
             response=ModelResponse.from_json(payload["response"]),
             cost=None if cost is None else float(cost),
+            budget=dict(budget) if isinstance(budget, Mapping) else None,
         )
 
 

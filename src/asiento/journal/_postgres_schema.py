@@ -124,6 +124,13 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         """,
         f"ALTER TABLE runs SET (fillfactor = {FILLFACTOR})",
     ),
+    # 6: each run's budget, as its journal last recorded it (NULL: unset, or not recorded);
+    # filled in from the records by ``postgres._backfill_budgets`` (``_backfill``).
+    (
+        "ALTER TABLE runs ADD COLUMN budget_cost double precision",
+        "ALTER TABLE runs ADD COLUMN budget_tokens bigint",
+        "ALTER TABLE runs ADD COLUMN budget_model_calls bigint",
+    ),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -140,13 +147,21 @@ ON CONFLICT DO NOTHING
 RETURNING step_id, phase
 """
 
+
+def _param(name: str) -> str:
+    return f"%({name})s"
+
+
 UPSERT_RUN = f"""
 INSERT INTO runs (run_id, status, events, created_at, updated_at,
                   model_calls, input_tokens, output_tokens, cost, tool_steps,
-                  cached_input_tokens, cache_write_tokens)
+                  cached_input_tokens, cache_write_tokens,
+                  budget_cost, budget_tokens, budget_model_calls)
 VALUES (%(run_id)s, coalesce(%(status)s, 'running'), %(added)s, {NOW}, {NOW},
-        %(calls)s, %(inp)s, %(out)s, %(cost)s, %(tools)s, %(cread)s, %(cwrite)s)
+        %(calls)s, %(inp)s, %(out)s, %(cost)s, %(tools)s, %(cread)s, %(cwrite)s,
+        %(b_budget_cost)s, %(b_budget_tokens)s, %(b_budget_model_calls)s)
 ON CONFLICT (run_id) DO UPDATE SET
+    {rules.budget_write(_param, row="runs.")},
     {rules.status_write("%(status)s", NOW, row="runs.")},
     events = runs.events + excluded.events,
     updated_at = excluded.updated_at,
@@ -174,6 +189,7 @@ UPDATE runs SET
     cached_input_tokens = cached_input_tokens + %(cread)s,
     cache_write_tokens = cache_write_tokens + %(cwrite)s,
     cost = cost + %(cost)s,
+    {rules.budget_write(_param)},
     lease_expires = {NOW} + lease_ttl
 WHERE run_id = %(run_id)s AND fence = %(token)s AND lease_owner = %(owner)s
   AND lease_expires >= {NOW}
@@ -280,7 +296,7 @@ SELECT_RUNS = """
 SELECT run_id, status, events, created_at, updated_at, lease_owner, lease_expires, fence,
     model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
     saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps,
-    cached_input_tokens, cache_write_tokens
+    cached_input_tokens, cache_write_tokens, budget_cost, budget_tokens, budget_model_calls
 FROM runs
 """
 

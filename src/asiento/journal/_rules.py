@@ -22,6 +22,8 @@ through ``status_write``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..events import RunInfo, RunStatus
 
 STABLE = (RunStatus.CLOSED, RunStatus.SUSPENDED, RunStatus.UNCERTAIN)
@@ -124,6 +126,29 @@ def queue_order(collate: str = "") -> str:
     """The ORDER BY of a claim: the longest queued first, ``run_id`` (compared byte by
     byte: PostgreSQL passes ``collate=' COLLATE "C"'``, SQLite's default) breaking a tie."""
     return f"queued_at, run_id{collate}"
+
+
+# The budget columns of the run index, and the limit of ``Budget`` each holds.
+BUDGET_COLUMNS = (
+    ("budget_cost", "max_cost"),
+    ("budget_tokens", "max_tokens"),
+    ("budget_model_calls", "max_model_calls"),
+)
+
+
+def budget_write(param: Callable[[str], str], *, row: str = "") -> str:
+    """``budget.after`` as the SET clauses of an append: the limits the batch records
+    (``bset``, ``b_<column>``), else each raise (``r_<column>``) above the limit shown; an
+    unset limit stays unset. ``param`` writes a parameter in the dialect; the names are
+    ``base.budget_params``'s, ``row`` the target row's prefix in an upsert."""
+    clauses = []
+    for column, _ in BUDGET_COLUMNS:
+        new, up, old = param(f"b_{column}"), param(f"r_{column}"), f"{row}{column}"
+        clauses.append(
+            f"{column} = CASE WHEN {param('bset')} THEN {new}"
+            f" WHEN {up} > {old} THEN {up} ELSE {old} END"
+        )
+    return ", ".join(clauses)
 
 
 # A closed run takes no new record from an append without a lease (a person's decision).

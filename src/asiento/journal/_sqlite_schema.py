@@ -68,6 +68,13 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX runs_claimable ON runs (queued_at, run_id)
         WHERE status = 'running' AND task IS NOT NULL;
     """,
+    # 5: each run's budget, as its journal last recorded it (NULL: unset, or not recorded);
+    # filled in from the records by ``_sqlite_open._backfill_budgets`` (``_backfill``).
+    """
+    ALTER TABLE runs ADD COLUMN budget_cost REAL;
+    ALTER TABLE runs ADD COLUMN budget_tokens INTEGER;
+    ALTER TABLE runs ADD COLUMN budget_model_calls INTEGER;
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

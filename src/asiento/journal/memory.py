@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
-from .. import _clock, step_ids
+from .. import _clock, budget, step_ids
 from ..errors import DuplicateRecord, UsageError
 from ..events import Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
@@ -16,6 +17,7 @@ from .base import (
     counts_of,
     decode_row,
     encode_batch,
+    index_limit,
     lease_lost,
     may_take,
     one_by_one,
@@ -75,6 +77,7 @@ class MemoryCheckpointer:
             tool_steps=info.tool_steps + usage["tools"],
             cached_input_tokens=info.cached_input_tokens + usage["cread"],
             cache_write_tokens=info.cache_write_tokens + usage["cwrite"],
+            **_budget_after(info, events),
         )
 
     def _requeue(self, run_id: str, current: RunStatus, requested: RunStatus | None) -> None:
@@ -246,3 +249,12 @@ def _queue_order(entry: tuple[float, RunInfo]) -> tuple[float, bytes]:
     """``_rules.queue_order`` in Python: the longest queued first, run ids byte by byte."""
     queued, info = entry
     return queued, info.run_id.encode()
+
+
+def _budget_after(info: RunInfo, events: tuple[StepEvent, ...]) -> dict[str, Any]:
+    """The budget columns after an append (``budget.after``, as the SQL backends apply it)."""
+    shown = {name: getattr(info, column) for column, name in rules.BUDGET_COLUMNS}
+    limits = budget.after(shown if info.budgeted else None, budget.noted(events))
+    if limits is None:
+        return {}
+    return {column: index_limit(column, limits.get(name)) for column, name in rules.BUDGET_COLUMNS}

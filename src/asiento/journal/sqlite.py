@@ -67,13 +67,20 @@ _NO_ROOM = {
 # How many runs one claim may park before it gives up for this call.
 _MAX_PARKED_PER_CLAIM = 100
 
+
+def _param(name: str) -> str:
+    return f":{name}"
+
+
 _UPSERT_RUN = f"""
 INSERT INTO runs (run_id, status, events, created_at, updated_at, queued_at,
                   model_calls, input_tokens, output_tokens, cost, tool_steps,
-                  cached_input_tokens, cache_write_tokens)
+                  cached_input_tokens, cache_write_tokens,
+                  budget_cost, budget_tokens, budget_model_calls)
 VALUES (:run_id, coalesce(:status, 'running'), :added, :now, :now, :now, :calls, :inp, :out,
-        :cost, :tools, :cread, :cwrite)
+        :cost, :tools, :cread, :cwrite, :b_budget_cost, :b_budget_tokens, :b_budget_model_calls)
 ON CONFLICT (run_id) DO UPDATE SET
+    {rules.budget_write(_param, row="runs.")},
     {rules.status_write(":status", ":now", row="runs.")},
     events = runs.events + :added,
     updated_at = :now,
@@ -99,11 +106,13 @@ UPDATE runs SET
     cached_input_tokens = cached_input_tokens + :cread,
     cache_write_tokens = cache_write_tokens + :cwrite,
     cost = cost + :cost,
+    {rules.budget_write(_param)},
     lease_expires = :now + lease_ttl
 WHERE run_id = :run_id AND fence = :token AND lease_owner = :owner AND lease_expires >= :now
 """
 
-# The same for the append of almost every step, which leaves the status as it is:
+# The same for the append of almost every step, which leaves the status (and the
+# budget) as it is:
 # naming ``status`` (an indexed column) in SET rewrites its index entry even when the
 # value stays, about half the cost of the statement. Positional, as binding by name
 # costs a little more.
@@ -134,7 +143,7 @@ WHERE run_id = :run_id AND fence = :token AND lease_owner = :owner AND lease_exp
 _RUN_COLUMNS = """run_id, status, events, created_at, updated_at, lease_owner, lease_expires,
 fence, model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
 saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps,
-cached_input_tokens, cache_write_tokens"""
+cached_input_tokens, cache_write_tokens, budget_cost, budget_tokens, budget_model_calls"""
 
 # A closed run takes no other status (no row changes: ``RunClosed``).
 _SET_STATUS = f"""
@@ -282,7 +291,7 @@ class SqliteCheckpointer:
         """The statements of one append, inside a transaction the caller opened."""
         db, counts, lease, status = self._db, item.counts, item.lease, item.status
         run_id, rows = item.run_id, item.rows
-        if lease is not None and status is None:  # the lease checked and extended
+        if lease is not None and status is None and not counts["budget"]:  # the lease checked
             added = (len(rows), now, counts["calls"], counts["tools"], counts["inp"])
             more = (counts["out"], counts["cost"], counts["cread"], counts["cwrite"])
             where = (run_id, lease.token, lease.owner)
