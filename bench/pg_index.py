@@ -7,8 +7,9 @@
 One throwaway PostgreSQL (``asiento.testing.postgres``, durable settings) serves
 every measurement, each in a schema of its own. The code before is extracted with
 ``git archive REV src`` and run in a child process on that source; the code after is
-this checkout's; a third child runs the code after with ``fillfactor = 100`` (the
-table's default) to show what the fill factor adds. Each child:
+this checkout's; more children run the code after with other fill factors of ``runs``
+(``--fillfactors``, by default 100, PostgreSQL's default) to show what it adds. Each
+child:
 
 1. drives one run of ``--steps`` model+tool steps (the real ``Agent`` loop, a scripted
    model) alone in the table, and counts the updates of ``runs`` and how many were
@@ -16,7 +17,7 @@ table's default) to show what the fill factor adds. Each child:
 2. fills ``runs`` with ``--runs`` runs (95 % closed, 5 % queued), then drives the
    same run among them (its row on a full page), and counts again;
 3. claims 256 runs (in flight) and appends ``--appends`` records to each, as steps
-   would, counting the updates and the size of ``runs_claimable`` after them;
+   would, counting the updates, the WAL they wrote and the size of ``runs_claimable``;
 4. times ``--claims`` claims of one run and of 64 runs (each released right after),
    with those 256 runs in flight.
 
@@ -169,6 +170,14 @@ async def _time_claims(dsn: str, claims: int, limit: int) -> list[float]:
     return took
 
 
+def _wal(dsn: str) -> int:
+    """Bytes of WAL the server has written so far (no other child runs meanwhile)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def _index_sizes(dsn: str) -> dict[str, int]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         rows = conn.execute(
@@ -193,8 +202,9 @@ def child(dsn: str, args: argparse.Namespace) -> None:
     report: dict[str, Any] = {"alone": _hot_run(dsn, "alone", steps)}
     _fill(dsn, runs)
     report["among"] = _hot_run(dsn, f"bulk-{runs // 2:07d}", steps)
-    before = _settled(dsn, 0)
+    before, wal = _settled(dsn, 0), _wal(dsn)
     flying = asyncio.run(_in_flight(dsn, appends))
+    report["wal_per_append"] = (_wal(dsn) - wal) / (flying * appends)
     after = _settled(dsn, before[0] + flying * appends)
     report["fleet"] = {"updates": after[0] - before[0], "hot": after[1] - before[1]}
     report["sizes"] = _index_sizes(dsn)
@@ -259,6 +269,9 @@ def _print(results: dict[str, Any], args: argparse.Namespace) -> None:
     for name, report in results.items():
         sizes = report["sizes"]
         print(f"  {name:<22} {sizes['runs'] // 1024:>7} {sizes['runs_claimable'] // 1024:>7}")
+    print("\nWAL per append of a run in flight (bytes):")
+    for name, report in results.items():
+        print(f"  {name:<22} {report['wal_per_append']:7.0f}")
     print("\nclaim latency, ms (p50 / p95), with the runs in flight:")
     for name, report in results.items():
         one, many = _ms(report["claim_1"]), _ms(report["claim_64"])
@@ -273,6 +286,7 @@ def _print(results: dict[str, Any], args: argparse.Namespace) -> None:
     for key in ("claim_1", "claim_64"):
         print(f"  {key} p50 {_ms(after[key])[0] / _ms(before[key])[0]:.2f}x, "
               f"p95 {_ms(after[key])[1] / _ms(before[key])[1]:.2f}x")  # fmt: skip
+    print(f"  WAL per append {after['wal_per_append'] / before['wal_per_append']:.2f}x")
     size = after["sizes"]["runs_claimable"] / before["sizes"]["runs_claimable"]
     print(f"  runs_claimable size {size:.2f}x")
 
@@ -284,6 +298,9 @@ def main() -> None:
     parser.add_argument("--appends", type=int, default=20, help="appends per run in flight (20)")
     parser.add_argument("--claims", type=int, default=200, help="claims timed (200)")
     parser.add_argument("--before", default="1c6f0db", help="the revision before (1c6f0db)")
+    parser.add_argument(
+        "--fillfactors", default="100", help="fill factors to run the code after with too (100)"
+    )
     parser.add_argument("--role", choices=["child"], help=argparse.SUPPRESS)
     parser.add_argument("--dsn", help=argparse.SUPPRESS)
     parser.add_argument("--fillfactor", type=int, default=0, help=argparse.SUPPRESS)
@@ -305,8 +322,10 @@ def main() -> None:
             results = {
                 "before": _measure(server.dsn, old, args, 0),
                 "after": _measure(server.dsn, ROOT / "src", args, 0),
-                "after, fillfactor 100": _measure(server.dsn, ROOT / "src", args, 100),
             }
+            for fill in (int(f) for f in args.fillfactors.split(",") if f):
+                after = _measure(server.dsn, ROOT / "src", args, fill)
+                results[f"after, fillfactor {fill}"] = after
     finally:
         server.stop()
     _print(results, args)

@@ -20,7 +20,7 @@ NOW = "extract(epoch FROM statement_timestamp())::float8"
 C = ' COLLATE "C"'
 
 # How full an insert leaves a page of ``runs``: room for in-place (HOT) updates.
-FILLFACTOR = 80
+FILLFACTOR = 90
 
 CREATE_VERSIONS = """
 CREATE TABLE IF NOT EXISTS asiento_schema (
@@ -110,7 +110,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     # plain append changes: ``runs_claimable`` indexed ``updated_at``, which every append
     # set, so almost no append could update the run's row in place (HOT). Existing runs
     # keep their place (queued at their last update, the order claims had). A fill
-    # factor of 80 leaves a fifth of each page for the updated copies of its rows
+    # factor of 90 leaves a tenth of each page for the updated copies of its rows
     # (docs/performance.md has the figures); it applies to pages written from now on.
     (
         "ALTER TABLE runs ADD COLUMN queued_at double precision",
@@ -256,7 +256,7 @@ RETURNING run_id
 # SKIP LOCKED: many workers claim different runs without waiting for each other.
 CLAIM_MANY = f"""
 WITH picked AS (
-    SELECT run_id FROM runs
+    SELECT run_id, queued_at AS was_queued FROM runs
     WHERE {rules.claimable(NOW)}
     ORDER BY {rules.queue_order(C)} LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -268,13 +268,13 @@ WITH picked AS (
 ), taken AS (
     UPDATE runs SET lease_owner = %(owner)s, lease_host = %(host)s, lease_pid = %(pid)s,
         lease_started = %(started)s, lease_expires = {NOW} + %(ttl)s, lease_ttl = %(ttl)s,
-        fence = fence + 1, attempts = attempts + 1
+        fence = fence + 1, attempts = attempts + 1, queued_at = {NOW}
     FROM picked WHERE runs.run_id = picked.run_id AND NOT {rules.parks_sql("%(max_attempts)s")}
-    RETURNING runs.run_id, task, agent, attempts, fence, lease_expires, queued_at
+    RETURNING runs.run_id, task, agent, attempts, fence, lease_expires, picked.was_queued
 )
 SELECT p.parked, t.run_id, t.task, t.agent, t.attempts, t.fence, t.lease_expires
 FROM (SELECT count(*) AS parked FROM parked) AS p LEFT JOIN taken AS t ON true
-ORDER BY t.queued_at, t.run_id COLLATE "C"
+ORDER BY t.was_queued, t.run_id COLLATE "C"
 """
 
 # Every run this holder holds a live lease on (the read-back of a cut-off claim_many).

@@ -7,11 +7,13 @@
   lease holds it; the longest queued first. A run claimed ``max_attempts`` times
   without reaching a stable state is parked instead, with the reason recorded.
 - A run's place in the queue (``queued_at``) is the time it last joined it: when it
-  was submitted, claimed, released while still running, or set running by a status
-  write (a person's decision, an unpark, a failed pass). An append that leaves the
-  status as it is never moves it, so on PostgreSQL the index the claims read
-  (``runs_claimable``) changes on no plain append, and the run's row is updated in
-  place (a HOT update).
+  was submitted, released while still running, or set running by a status write (a
+  person's decision, an unpark, a failed pass); and a claim sends it to the back, so
+  that the runs in flight are behind those waiting and a claim does not walk past
+  them (a run whose worker died is claimed again after those queued before its
+  claim). An append that leaves the status as it is never moves it, so on PostgreSQL
+  the index the claims read (``runs_claimable``) changes on no plain append, and the
+  run's row is updated in place (a HOT update).
 
 The memory backend applies these rules as the functions below; SQLite and
 PostgreSQL as the SQL fragments below, the same text in both dialects (each

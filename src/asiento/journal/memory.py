@@ -221,6 +221,7 @@ class MemoryCheckpointer:
             lease = await self.acquire(info.run_id, holder, ttl=ttl)
             taken = self._runs[info.run_id]
             self._runs[info.run_id] = dataclasses.replace(taken, attempts=taken.attempts + 1)
+            self._queued[info.run_id] = time.time()  # to the back: leased runs stay out of the way
             agent = info.agent or "default"
             return Claim(lease=lease, task=info.task, agent=agent, attempts=info.attempts + 1)
         return None

@@ -500,7 +500,8 @@ class SqliteCheckpointer:
                     continue
                 self._take(run_id, holder, ttl, fence, now)
                 self._db.execute(
-                    "UPDATE runs SET attempts = attempts + 1 WHERE run_id = ?", (run_id,)
+                    "UPDATE runs SET attempts = attempts + 1, queued_at = ? WHERE run_id = ?",
+                    (now, run_id),
                 )
                 lease = Lease(run_id=run_id, token=fence + 1, owner=holder.owner, expires=now + ttl)
                 return Claim(lease=lease, task=task, agent=agent, attempts=attempts + 1)
