@@ -208,6 +208,7 @@ class _Pass:
         self.ready: _Ready | None = None  # a tool step durable and about to run
         self.spent = budgets.Spent()  # what the model steps walked so far spent
         self.restarted = False  # whether this pass announced its first asked step
+        self.budget_noted = False  # this pass recorded its budget in force (``ModelResult``)
 
     async def steps(self) -> AsyncIterator[Step | StreamEvent]:
         final = await self.store.final(self.run_id)
@@ -351,8 +352,8 @@ class _Pass:
         if recorded is not None:
             response = self._replay_model(step_id, fp, recorded)
         else:
-            await self._check_budget(step_id)
-            response = await self._call_model(step_id, fp)
+            budget = await self._check_budget(step_id)
+            response = await self._call_model(step_id, fp, budget)
         self._add(Message(role="assistant", content=response.text, tool_calls=response.tool_calls))
         return response
 
@@ -382,7 +383,7 @@ class _Pass:
                     run_id=self.run_id, step_id=step_id, attempt=attempt, part=part, replayed=True
                 )
         else:
-            await self._check_budget(step_id)
+            budget = await self._check_budget(step_id)
             if attempt > 1 and not self.restarted:  # an earlier pass may have been cut here
                 self.restarted = True
                 yield StreamRestart(run_id=self.run_id, step_id=step_id, attempt=attempt)
@@ -402,10 +403,10 @@ class _Pass:
                             answer = item
                 finally:
                     await marking.done()
-                response = self._took(step_id, fp, key, answer)
+                response = self._took(step_id, fp, key, answer, budget)
             else:  # a gateway that cannot stream: its whole answer is one delta per part
                 answer = await gateway.complete(request, idempotency_key=key)
-                response = self._took(step_id, fp, key, answer)
+                response = self._took(step_id, fp, key, answer, budget)
                 for part in whole_parts(response):
                     yield Delta(run_id=self.run_id, step_id=step_id, attempt=attempt, part=part)
         self._add(Message(role="assistant", content=response.text, tool_calls=response.tool_calls))
@@ -440,10 +441,12 @@ class _Pass:
         self.counted.add(step_id)
         return True
 
-    async def _call_model(self, step_id: str, fp: str) -> ModelResponse:
+    async def _call_model(
+        self, step_id: str, fp: str, budget: budgets.Budget | None
+    ) -> ModelResponse:
         key, request = self._request(step_id, fp)
         answer = await self.session.gateway.complete(request, idempotency_key=key)
-        return self._took(step_id, fp, key, answer)
+        return self._took(step_id, fp, key, answer, budget)
 
     def _request(self, step_id: str, fp: str) -> tuple[str, ModelRequest]:
         """The step's idempotency key and the request the model is asked."""
@@ -457,7 +460,9 @@ class _Pass:
     def _where(self, step_id: str) -> str:
         return f"run {self.run_id!r} step {step_id!r}"
 
-    def _took(self, step_id: str, fp: str, key: str, answer: object) -> ModelResponse:
+    def _took(
+        self, step_id: str, fp: str, key: str, answer: object, budget: budgets.Budget | None
+    ) -> ModelResponse:
         """Count and record what the gateway answered (checked: garbage is a UsageError)."""
         response = _with_call_ids(check_response(answer, where=self._where(step_id)), step_id)
         self.counted.add(step_id)
@@ -469,7 +474,11 @@ class _Pass:
         repaid = 0 if response.kept else len(self._cut_attempts(step_id))
         self.stats.model_calls_repaid += repaid
         tools = self.agent.digests if step_id == step_ids.model(1) else None
-        result = ModelResult(fp=fp, response=response, cost=cost, repaid=repaid, tools=tools)
+        noted = None if budget is None or self.budget_noted else budget.limits()
+        self.budget_noted = self.budget_noted or noted is not None
+        result = ModelResult(
+            fp=fp, response=response, cost=cost, repaid=repaid, tools=tools, budget=noted
+        )
         self.spent.add(result)
         self._record(step_id, Phase.RESULT, result)
         self.waiting.append(
@@ -482,19 +491,20 @@ class _Pass:
         mine = step_ids.streamed(step_id, self.lease.token if self.lease is not None else 0)
         return [a for a in step_ids.streamed_attempts(step_id, self.journal) if a != mine]
 
-    async def _check_budget(self, step_id: str) -> None:
-        """Before a new (paid) call: stop, suspended and resumable, if the budget is spent.
+    async def _check_budget(self, step_id: str) -> budgets.Budget | None:
+        """Before a new (paid) call: stop, suspended and resumable, if the budget is spent;
+        else the budget in force (None: the run has none).
 
         The stop is recorded (``budget{n}``, what was spent against which limit) and the
         run waits for a person's raise there; a raise recorded after this pass read the
         journal is not lost: the conditional status sees it and the pass walks again.
         """
         if self.agent.budget is None:
-            return
+            return None
         budget = budgets.in_force(self.agent.budget, self.journal)
         limit = budgets.reached(budget, self.spent)
         if limit is None:
-            return
+            return budget
         stop_id = budgets.open_stop(self.journal)
         stop = BudgetStop(
             limit=limit, spent=self.spent.as_limits(), budget=budget.limits(), before=step_id

@@ -11,13 +11,13 @@ raise only ever raises, and a limit the code leaves unset stays unlimited.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from . import step_ids
 from .errors import UsageError
 from .events import Phase, StepEvent
-from .payloads import BudgetRaise, ModelResult, is_model_result
+from .payloads import BudgetRaise, BudgetStop, ModelResult, is_model_result
 
 LIMITS = ("max_cost", "max_tokens", "max_model_calls")
 
@@ -133,3 +133,94 @@ def describe(limit: str, spent: Spent, budget: Budget) -> str:
     used = spent.as_limits()[limit]
     shown = f"{used:.6g}"
     return f"{limit}: spent {shown} of {budget.limits()[limit]}"
+
+
+# -- the budget the run index shows: folded from the journal's records --------------------
+#
+# Three kinds of record name a run's budget: a model result of a budgeted run (the
+# limits in force when a pass made its first new call, ``ModelResult.budget``), a stop
+# (``BudgetStop.budget``, the limits it stopped on) and a person's raise (``BudgetRaise``,
+# which raises the limits before it, never lowers them). The index keeps the budget the
+# last of them leaves (``after``); an append brings a ``Noted`` (``noted``), which each
+# backend applies in its own append (SQL: ``journal._rules.budget_write``).
+
+Limits = dict[str, float | None]
+
+
+@dataclass(frozen=True, slots=True)
+class Noted:
+    """What one batch of records says of the budget: the limits it records (raised by the
+    raises after them in the batch), else the raises of limits recorded before it."""
+
+    limits: Limits | None = None
+    raises: Mapping[str, float] | None = None
+
+
+def noted(events: Iterable[StepEvent]) -> Noted | None:
+    """What these records (one append, in order) change in the run's budget, if anything."""
+    limits: Limits | None = None
+    raises: dict[str, float] | None = None
+    for event in events:
+        recorded = _limits_in(event)
+        if recorded is not None:
+            limits, raises = recorded, None
+        elif (raised := _raise_in(event)) is not None:
+            if limits is not None:
+                limits = _raised(limits, raised)
+            else:
+                raises = _merged(raises or {}, raised)
+    if limits is None and raises is None:
+        return None
+    return Noted(limits=limits, raises=raises)
+
+
+def after(current: Limits | None, note: Noted | None) -> Limits | None:
+    """The budget the index shows after a batch, from the one it showed before."""
+    if note is None:
+        return current
+    if note.limits is not None:
+        return dict(note.limits)
+    return None if current is None else _raised(current, note.raises or {})
+
+
+def _limits_in(event: StepEvent) -> Limits | None:
+    """The limits a model result or a stop records, if it records any."""
+    try:
+        if event.phase is Phase.RESULT and step_ids.is_model(event.step_id):
+            found = event.payload.get("budget")
+            return None if found is None else _limits(found)
+        if event.phase is Phase.INTENT and step_ids.is_budget(event.step_id):
+            return _limits(BudgetStop.from_json(event.payload).budget)
+    except (TypeError, ValueError, AttributeError):
+        return None  # a record this cannot read names no budget
+    return None
+
+
+def _raise_in(event: StepEvent) -> dict[str, float] | None:
+    if event.phase is not Phase.APPROVAL or not step_ids.is_budget(event.step_id):
+        return None
+    try:
+        limits = BudgetRaise.from_json(event.payload).limits
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return {name: float(value) for name, value in limits.items() if name in LIMITS}
+
+
+def _limits(found: object) -> Limits:
+    if not isinstance(found, Mapping):
+        raise TypeError("not a mapping of limits")
+    return {name: None if found.get(name) is None else float(found[name]) for name in LIMITS}
+
+
+def _raised(limits: Limits, raises: Mapping[str, float]) -> Limits:
+    """``Budget.raised`` on plain limits: each the larger; an unset limit stays unset."""
+    return {
+        name: value if value is None or raises.get(name) is None else max(value, raises[name])
+        for name, value in limits.items()
+    }
+
+
+def _merged(first: Mapping[str, float], then: Mapping[str, float]) -> dict[str, float]:
+    return {name: max(first.get(name, value), value) for name, value in then.items()} | {
+        name: value for name, value in first.items() if name not in then
+    }

@@ -68,6 +68,12 @@ class RunInfo:
     attempt of the same step, not a new one). Of ``input_tokens``,
     ``cached_input_tokens`` were read from a prompt cache and ``cache_write_tokens``
     written to one (as ``Usage`` counts them, summed over the run's paid calls).
+
+    ``budget_cost``, ``budget_tokens`` and ``budget_model_calls`` are the run's budget
+    as its journal last recorded it (a budgeted run's first new model call of each
+    pass, a stop on the budget, a person's raise: docs/budgets.md); against it, what it
+    spent is ``cost``, ``input_tokens + output_tokens`` and ``model_calls``. None: that
+    limit is unset, or no budget was recorded (``budgeted`` is False).
     """
 
     run_id: str
@@ -93,11 +99,20 @@ class RunInfo:
     tool_steps: int = 0
     cached_input_tokens: int = 0
     cache_write_tokens: int = 0
+    budget_cost: float | None = None
+    budget_tokens: int | None = None
+    budget_model_calls: int | None = None
 
     @property
     def steps(self) -> int:
         """The run's steps: its model steps (one per model call paid) and its tool steps."""
         return self.model_calls + self.tool_steps
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether the journal recorded a budget with at least one limit for the run."""
+        limits = (self.budget_cost, self.budget_tokens, self.budget_model_calls)
+        return any(limit is not None for limit in limits)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -32,7 +32,11 @@ SUBMITTED: Mapping[str, Any] = {}
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelResult:
-    """A model step: what was asked (its fingerprint), what came back, what it cost."""
+    """A model step: what was asked (its fingerprint), what came back, what it cost.
+
+    ``budget``: a budgeted run's limits in force, recorded with the first new call of
+    each pass (so the run index shows a budget before any stop); absent otherwise.
+    """
 
     fp: str
     response: ModelResponse
@@ -41,6 +45,7 @@ class ModelResult:
     # The first model step of a run whose tools come from elsewhere (an MCP server):
     # each tool's name and digest, so a resumed run can name the tools that changed.
     tools: Mapping[str, str] | None = None
+    budget: Mapping[str, float | None] | None = None
 
     def to_json(self) -> Json:
         payload: Json = {"fp": self.fp, "response": self.response.to_json()}
@@ -50,11 +55,13 @@ class ModelResult:
             payload["repaid"] = self.repaid
         if self.tools is not None:
             payload["tools"] = dict(self.tools)
+        if self.budget is not None:
+            payload["budget"] = dict(self.budget)
         return payload
 
     @classmethod
     def from_json(cls, payload: Mapping[str, Any]) -> ModelResult:
-        cost, tools = payload.get("cost"), payload.get("tools")
+        cost, tools, budget = payload.get("cost"), payload.get("tools"), payload.get("budget")
         if isinstance(tools, Mapping):
             tools = {str(name): str(digest) for name, digest in tools.items()}
         return cls(
@@ -63,6 +70,7 @@ class ModelResult:
             cost=None if cost is None else float(cost),
             repaid=int(payload.get("repaid", 0)),
             tools=tools if isinstance(tools, dict) else None,
+            budget=dict(budget) if isinstance(budget, Mapping) else None,
         )
 
 

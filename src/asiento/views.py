@@ -384,6 +384,20 @@ def money(amount: float) -> str:
     return f"{amount:.4f}" if amount else ""
 
 
+def budget_text(info: RunInfo) -> str:
+    """What a budgeted run spent against each limit of its budget, as the index has them:
+    ``3/5 calls, 1,240/10,000 tokens, 0.0120/0.5000`` (empty for a run with no budget)."""
+    parts = []
+    if info.budget_model_calls is not None:
+        parts.append(f"{info.model_calls:,}/{info.budget_model_calls:,} calls")
+    if info.budget_tokens is not None:
+        spent = info.input_tokens + info.output_tokens
+        parts.append(f"{spent:,}/{info.budget_tokens:,} tokens")
+    if info.budget_cost is not None:
+        parts.append(f"{info.cost:.4f}/{info.budget_cost:.4f}")
+    return ", ".join(parts)
+
+
 # -- JSON for scripts -------------------------------------------------------------------
 
 

@@ -214,9 +214,11 @@ def runs(store: str, statuses: tuple[str, ...], as_json: bool) -> None:
     "ready to resume" or, submitted, "waiting for a worker"; else suspended,
     uncertain, parked or closed), steps (model steps plus the tool calls the model
     asked for; a retry is not a new step), last activity, the lease holder (while a
-    session drives it), model calls, tokens and cost paid, and "replayed" / "saved":
-    the model calls (and their tokens and cost) that resumed passes took from the
-    journal instead of paying for them again. --json gives "status" (stored),
+    session drives it), model calls, tokens and cost paid, "spent/budget" for a
+    budgeted run (what it spent against each limit of its budget, as its journal last
+    recorded it), and "replayed" / "saved": the model calls (and their tokens and
+    cost) that resumed passes took from the journal instead of paying for them
+    again. --json gives "status" (stored),
     "state", "next" (what to do next) and the journal records ("events").
     """
 

@@ -15,6 +15,7 @@ from ..events import RunInfo, StepEvent
 from ..views import (
     RunState,
     Waiting,
+    budget_text,
     clip,
     inline_json,
     lease_text,
@@ -43,18 +44,29 @@ def state_text(state: RunState) -> Text:
     return Text(state.name, style=STATE_STYLE.get(state.name, ""))
 
 
-RUN_COLUMNS: tuple[tuple[str, Callable[[RunInfo], RenderableType], bool], ...] = (
-    # heading, cell, shown only when some run was priced
-    ("state", lambda i: state_text(run_state(i)), False),
-    ("steps", lambda i: str(i.steps), False),
-    ("last activity", lambda i: recent(i.updated_at), False),
-    ("lease", lease_text, False),
-    ("calls", lambda i: str(i.model_calls), False),
-    ("tokens in/out", lambda i: f"{i.input_tokens}/{i.output_tokens}", False),
-    ("cost", lambda i: money(i.cost), True),
-    ("replayed", lambda i: str(i.replayed_calls), False),
-    ("saved in/out", lambda i: f"{i.saved_input_tokens}/{i.saved_output_tokens}", False),
-    ("saved cost", lambda i: money(i.saved_cost), True),
+def _priced(info: RunInfo) -> bool:
+    return bool(info.cost or info.saved_cost)
+
+
+def _always(info: RunInfo) -> bool:
+    return True
+
+
+RUN_COLUMNS: tuple[
+    tuple[str, Callable[[RunInfo], RenderableType], Callable[[RunInfo], bool]], ...
+] = (
+    # heading, cell, shown only when some run is so (priced, budgeted)
+    ("state", lambda i: state_text(run_state(i)), _always),
+    ("steps", lambda i: str(i.steps), _always),
+    ("last activity", lambda i: recent(i.updated_at), _always),
+    ("lease", lease_text, _always),
+    ("calls", lambda i: str(i.model_calls), _always),
+    ("tokens in/out", lambda i: f"{i.input_tokens}/{i.output_tokens}", _always),
+    ("cost", lambda i: money(i.cost), _priced),
+    ("spent/budget", budget_text, lambda i: i.budgeted),
+    ("replayed", lambda i: str(i.replayed_calls), _always),
+    ("saved in/out", lambda i: f"{i.saved_input_tokens}/{i.saved_output_tokens}", _always),
+    ("saved cost", lambda i: money(i.saved_cost), _priced),
 )
 
 
@@ -65,8 +77,9 @@ def runs_table(infos: Sequence[RunInfo], *, title: str, width: int | None = None
     replayed, cost, tokens) are left out, from the last, rather than every cell
     being cut short; ``--json`` always has them all.
     """
-    priced = any(info.cost or info.saved_cost for info in infos)
-    columns = [(h, cell) for h, cell, needs_price in RUN_COLUMNS if priced or not needs_price]
+    columns = [
+        (h, cell) for h, cell, shown in RUN_COLUMNS if shown is _always or any(map(shown, infos))
+    ]
     table = _runs_table(infos, title, columns)
     while width is not None and _width(table) > width and columns[-1][0] not in _KEPT:
         columns.pop()

@@ -12,9 +12,21 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .. import budget
+from ..events import Phase, StepEvent
+from ._rules import BUDGET_COLUMNS
+from .base import index_limit
+
 # The model results that may carry prompt-cache tokens (every backend's LIKE agrees).
 CACHE_RECORDS = (
     "SELECT run_id, payload FROM journal WHERE phase = 'result' AND payload LIKE '%\"cache\"%'"
+)
+
+# The records that may name a run's budget (``budget.noted``): its stops and raises, and
+# model results that hold a "budget"; each backend adds its own order of writing.
+BUDGET_RECORDS = (
+    "SELECT run_id, step_id, phase, payload FROM journal"
+    " WHERE step_id LIKE 'budget%' OR (phase = 'result' AND payload LIKE '%\"budget\"%')"
 )
 
 # What to do about a migration that failed on its own (not busy, full or damaged).
@@ -66,3 +78,31 @@ def _count(value: Any) -> int | None:
     except (TypeError, ValueError, OverflowError):
         return None
     return count if 0 <= count <= _MAX_COUNT else None
+
+
+class RunBudgets:
+    """Each run's budget as the index shows it, folded record by record (``budget.after``)."""
+
+    def __init__(self) -> None:
+        self._budgets: dict[str, budget.Limits | None] = {}
+
+    def add(self, run_id: str, step_id: str, phase: str, payload: str) -> None:
+        """Fold one record in (records of a run in the order they were written)."""
+        try:
+            event = StepEvent(
+                run_id=run_id, step_id=step_id, phase=Phase(phase), payload=json.loads(payload)
+            )
+        except (ValueError, TypeError, RecursionError):
+            return
+        note = budget.noted([event])
+        if note is not None:
+            self._budgets[run_id] = budget.after(self._budgets.get(run_id), note)
+
+    def updates(self) -> list[tuple[Any, ...]]:
+        """``(budget_cost, budget_tokens, budget_model_calls, run_id)`` for every run with one."""
+        found = []
+        for run_id, limits in self._budgets.items():
+            if limits is not None:
+                values = (index_limit(col, limits.get(name)) for col, name in BUDGET_COLUMNS)
+                found.append((*values, run_id))
+        return found

@@ -16,6 +16,12 @@ MIGRATION_LOCK = 0x41534E54
 # Lease times come from the server's clock: the one clock every worker shares.
 NOW = "extract(epoch FROM statement_timestamp())::float8"
 
+# Run ids compare byte by byte, as on SQLite, whatever the database's collation.
+C = ' COLLATE "C"'
+
+# How full an insert leaves a page of ``runs``: room for in-place (HOT) updates.
+FILLFACTOR = 90
+
 CREATE_VERSIONS = """
 CREATE TABLE IF NOT EXISTS asiento_schema (
     version    integer PRIMARY KEY,
@@ -67,7 +73,8 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )
         """,
         "CREATE INDEX runs_by_status ON runs (status)",
-        # What claim() scans: submitted runs that may need work, oldest update first.
+        # What claim() scanned until migration 5: submitted runs that may need work, oldest
+        # update first.
         """
         CREATE INDEX runs_claimable ON runs (updated_at, run_id COLLATE "C")
         WHERE status = 'running' AND task IS NOT NULL
@@ -99,6 +106,31 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE journal ADD COLUMN written_at double precision",
         f"ALTER TABLE journal ALTER COLUMN written_at SET DEFAULT {NOW}",
     ),
+    # 5: claims order by ``queued_at``, the time a run last joined the queue, which no
+    # plain append changes: ``runs_claimable`` indexed ``updated_at``, which every append
+    # set, so almost no append could update the run's row in place (HOT). Existing runs
+    # keep their place (queued at their last update, the order claims had). A fill
+    # factor of 90 leaves a tenth of each page for the updated copies of its rows
+    # (docs/performance.md has the figures); it applies to pages written from now on.
+    (
+        "ALTER TABLE runs ADD COLUMN queued_at double precision",
+        "UPDATE runs SET queued_at = updated_at",
+        "ALTER TABLE runs ALTER COLUMN queued_at SET NOT NULL",
+        f"ALTER TABLE runs ALTER COLUMN queued_at SET DEFAULT {NOW}",
+        "DROP INDEX runs_claimable",
+        f"""
+        CREATE INDEX runs_claimable ON runs ({rules.queue_order(C)})
+        WHERE status = 'running' AND task IS NOT NULL
+        """,
+        f"ALTER TABLE runs SET (fillfactor = {FILLFACTOR})",
+    ),
+    # 6: each run's budget, as its journal last recorded it (NULL: unset, or not recorded);
+    # filled in from the records by ``postgres._backfill_budgets`` (``_backfill``).
+    (
+        "ALTER TABLE runs ADD COLUMN budget_cost double precision",
+        "ALTER TABLE runs ADD COLUMN budget_tokens bigint",
+        "ALTER TABLE runs ADD COLUMN budget_model_calls bigint",
+    ),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -115,14 +147,22 @@ ON CONFLICT DO NOTHING
 RETURNING step_id, phase
 """
 
+
+def _param(name: str) -> str:
+    return f"%({name})s"
+
+
 UPSERT_RUN = f"""
 INSERT INTO runs (run_id, status, events, created_at, updated_at,
                   model_calls, input_tokens, output_tokens, cost, tool_steps,
-                  cached_input_tokens, cache_write_tokens)
+                  cached_input_tokens, cache_write_tokens,
+                  budget_cost, budget_tokens, budget_model_calls)
 VALUES (%(run_id)s, coalesce(%(status)s, 'running'), %(added)s, {NOW}, {NOW},
-        %(calls)s, %(inp)s, %(out)s, %(cost)s, %(tools)s, %(cread)s, %(cwrite)s)
+        %(calls)s, %(inp)s, %(out)s, %(cost)s, %(tools)s, %(cread)s, %(cwrite)s,
+        %(b_budget_cost)s, %(b_budget_tokens)s, %(b_budget_model_calls)s)
 ON CONFLICT (run_id) DO UPDATE SET
-    {rules.status_write("%(status)s", row="runs.")},
+    {rules.budget_write(_param, row="runs.")},
+    {rules.status_write("%(status)s", NOW, row="runs.")},
     events = runs.events + excluded.events,
     updated_at = excluded.updated_at,
     model_calls = runs.model_calls + excluded.model_calls,
@@ -139,7 +179,7 @@ RETURNING 1
 # The loop's append: the lease is checked, and extended, by the run's own update.
 APPEND_LEASED = f"""
 UPDATE runs SET
-    {rules.status_write("%(status)s")},
+    {rules.status_write("%(status)s", NOW)},
     events = events + %(added)s,
     updated_at = {NOW},
     model_calls = model_calls + %(calls)s,
@@ -149,6 +189,7 @@ UPDATE runs SET
     cached_input_tokens = cached_input_tokens + %(cread)s,
     cache_write_tokens = cache_write_tokens + %(cwrite)s,
     cost = cost + %(cost)s,
+    {rules.budget_write(_param)},
     lease_expires = {NOW} + lease_ttl
 WHERE run_id = %(run_id)s AND fence = %(token)s AND lease_owner = %(owner)s
   AND lease_expires >= {NOW}
@@ -181,8 +222,8 @@ WHERE run_id = %s
 
 SET_TTL = "UPDATE runs SET lease_ttl = %s WHERE run_id = %s AND fence = %s"
 
-RELEASE = """
-UPDATE runs SET lease_owner = NULL, lease_expires = NULL,
+RELEASE = f"""
+UPDATE runs SET lease_owner = NULL, lease_expires = NULL, {rules.requeue_released(NOW)},
     replayed_calls = replayed_calls + %s, saved_input_tokens = saved_input_tokens + %s,
     saved_output_tokens = saved_output_tokens + %s, saved_cost = saved_cost + %s,
     attempts = CASE WHEN %s THEN greatest(attempts - 1, 0) ELSE attempts END
@@ -192,7 +233,7 @@ WHERE run_id = %s AND fence = %s AND lease_owner = %s
 # Every status write but an append's (set_status, parking): ``postgres.set_status``
 # refuses to change a closed run before it gets here.
 SET_STATUS = f"""
-UPDATE runs SET {rules.status_write("%(status)s")}, updated_at = {NOW},
+UPDATE runs SET {rules.status_write("%(status)s", NOW)}, updated_at = {NOW},
     reason = coalesce(%(reason)s, reason)
 WHERE run_id = %(run_id)s
 """
@@ -215,32 +256,32 @@ RETURNING run_id
 # SKIP LOCKED: many workers claim different runs without waiting for each other.
 CLAIM_MANY = f"""
 WITH picked AS (
-    SELECT run_id FROM runs
+    SELECT run_id, queued_at AS was_queued FROM runs
     WHERE {rules.claimable(NOW)}
-    ORDER BY updated_at, run_id COLLATE "C" LIMIT %(limit)s
+    ORDER BY {rules.queue_order(C)} LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), parked AS (
-    UPDATE runs SET {rules.status_write("'parked'")}, updated_at = {NOW},
+    UPDATE runs SET {rules.status_write("'parked'", NOW)}, updated_at = {NOW},
         reason = {rules.parked_reason_sql()}
     FROM picked WHERE runs.run_id = picked.run_id AND {rules.parks_sql("%(max_attempts)s")}
     RETURNING runs.run_id
 ), taken AS (
     UPDATE runs SET lease_owner = %(owner)s, lease_host = %(host)s, lease_pid = %(pid)s,
         lease_started = %(started)s, lease_expires = {NOW} + %(ttl)s, lease_ttl = %(ttl)s,
-        fence = fence + 1, attempts = attempts + 1
+        fence = fence + 1, attempts = attempts + 1, queued_at = {NOW}
     FROM picked WHERE runs.run_id = picked.run_id AND NOT {rules.parks_sql("%(max_attempts)s")}
-    RETURNING runs.run_id, task, agent, attempts, fence, lease_expires, updated_at
+    RETURNING runs.run_id, task, agent, attempts, fence, lease_expires, picked.was_queued
 )
 SELECT p.parked, t.run_id, t.task, t.agent, t.attempts, t.fence, t.lease_expires
 FROM (SELECT count(*) AS parked FROM parked) AS p LEFT JOIN taken AS t ON true
-ORDER BY t.updated_at, t.run_id COLLATE "C"
+ORDER BY t.was_queued, t.run_id COLLATE "C"
 """
 
 # Every run this holder holds a live lease on (the read-back of a cut-off claim_many).
 HELD_ALL = f"""
 SELECT run_id, task, agent, attempts, fence, {NOW} FROM runs
 WHERE lease_owner = %s AND lease_expires >= {NOW} AND status = 'running' AND task IS NOT NULL
-ORDER BY updated_at, run_id COLLATE "C"
+ORDER BY {rules.queue_order(C)}
 FOR UPDATE
 """
 
@@ -255,7 +296,7 @@ SELECT_RUNS = """
 SELECT run_id, status, events, created_at, updated_at, lease_owner, lease_expires, fence,
     model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
     saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps,
-    cached_input_tokens, cache_write_tokens
+    cached_input_tokens, cache_write_tokens, budget_cost, budget_tokens, budget_model_calls
 FROM runs
 """
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from ..errors import JournalError, JournalReadOnly, JournalTooNew, NotAJournal, UsageError
-from ._backfill import CACHE_RECORDS, CacheTotals
+from ._backfill import BUDGET_RECORDS, CACHE_RECORDS, CacheTotals, RunBudgets
 from ._sqlite_schema import APPLICATION_ID, MIGRATIONS, SCHEMA_VERSION
 
 # The 16 bytes every SQLite 3 file starts with, and where its header keeps application_id.
@@ -215,5 +215,20 @@ def _backfill_cache_tokens(db: sqlite3.Connection) -> None:
     )
 
 
+def _backfill_budgets(db: sqlite3.Connection) -> None:
+    """Migration 5: each run's budget, folded from the records that name one."""
+    budgets = RunBudgets()
+    for run_id, step_id, phase, payload in db.execute(BUDGET_RECORDS + " ORDER BY rowid"):
+        budgets.add(run_id, step_id, phase, payload)
+    db.executemany(
+        "UPDATE runs SET budget_cost = ?, budget_tokens = ?, budget_model_calls = ?"
+        " WHERE run_id = ?",
+        budgets.updates(),
+    )
+
+
 # What a migration fills in after its SQL ran, by the version it brings the file to.
-_BACKFILLS: dict[int, Callable[[sqlite3.Connection], None]] = {3: _backfill_cache_tokens}
+_BACKFILLS: dict[int, Callable[[sqlite3.Connection], None]] = {
+    3: _backfill_cache_tokens,
+    5: _backfill_budgets,
+}

@@ -59,6 +59,22 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE runs ADD COLUMN cached_input_tokens INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE runs ADD COLUMN cache_write_tokens INTEGER NOT NULL DEFAULT 0;
     """,
+    # 4: claims order by ``queued_at``, the time a run last joined the queue, which no
+    # plain append changes (``_rules``), through an index of the claimable runs; existing
+    # runs keep their place (queued at their last update, the order claims had).
+    """
+    ALTER TABLE runs ADD COLUMN queued_at REAL NOT NULL DEFAULT 0;
+    UPDATE runs SET queued_at = updated_at;
+    CREATE INDEX runs_claimable ON runs (queued_at, run_id)
+        WHERE status = 'running' AND task IS NOT NULL;
+    """,
+    # 5: each run's budget, as its journal last recorded it (NULL: unset, or not recorded);
+    # filled in from the records by ``_sqlite_open._backfill_budgets`` (``_backfill``).
+    """
+    ALTER TABLE runs ADD COLUMN budget_cost REAL;
+    ALTER TABLE runs ADD COLUMN budget_tokens INTEGER;
+    ALTER TABLE runs ADD COLUMN budget_model_calls INTEGER;
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

@@ -13,10 +13,12 @@ from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from .._canonical import compact_encoder
+from ..budget import Limits, noted
 from ..errors import JournalCorrupt, LeaseLost, RecordTooLarge, RunClosed, RunLocked, UsageError
 from ..events import Claim, Decision, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder, is_dead_here
 from ..payloads import usage_of
+from ._rules import BUDGET_COLUMNS
 
 
 @runtime_checkable
@@ -247,6 +249,9 @@ _RUN_FIELDS = (
     "tool_steps",
     "cached_input_tokens",
     "cache_write_tokens",
+    "budget_cost",
+    "budget_tokens",
+    "budget_model_calls",
 )
 
 
@@ -276,7 +281,33 @@ def counts_of(events: Sequence[StepEvent]) -> dict[str, Any]:
     return {
         "calls": calls, "inp": inp, "out": out, "cost": cost, "tools": tools,
         "cread": cread, "cwrite": cwrite,
-    }  # fmt: skip
+    } | budget_params(events)  # fmt: skip
+
+
+# The largest count a 64-bit integer column holds (a larger limit is as good as unlimited).
+_MAX_COUNT = 2**63 - 1
+
+
+def budget_params(events: Sequence[StepEvent]) -> dict[str, Any]:
+    """What one append changes in the run's budget (``budget.noted``), as the parameters of
+    ``_rules.budget_write``: ``budget`` whether it changes anything; ``bset`` whether it
+    records limits, ``b_<column>`` those limits; ``r_<column>`` the raises of the limits
+    recorded before (None: no raise of that limit)."""
+    note = noted(events)
+    limits: Limits = {} if note is None or note.limits is None else note.limits
+    raises = {} if note is None or note.raises is None else note.raises
+    params: dict[str, Any] = {"budget": note is not None, "bset": bool(limits)}
+    for column, name in BUDGET_COLUMNS:
+        params[f"b_{column}"] = index_limit(column, limits.get(name))
+        params[f"r_{column}"] = index_limit(column, raises.get(name))
+    return params
+
+
+def index_limit(column: str, value: float | None) -> float | int | None:
+    """A limit as its index column holds it: a count as an integer, a cost as a float."""
+    if value is None or column == "budget_cost":
+        return value
+    return min(int(value), _MAX_COUNT)
 
 
 def encode_batch(events: Sequence[StepEvent]) -> tuple[str, list[Row]]:

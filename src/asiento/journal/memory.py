@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
-from .. import _clock, step_ids
+from .. import _clock, budget, step_ids
 from ..errors import DuplicateRecord, UsageError
 from ..events import Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
@@ -16,6 +17,7 @@ from .base import (
     counts_of,
     decode_row,
     encode_batch,
+    index_limit,
     lease_lost,
     may_take,
     one_by_one,
@@ -43,6 +45,7 @@ class MemoryCheckpointer:
         self._keys: set[tuple[str, str, str]] = set()
         self._runs: dict[str, RunInfo] = {}
         self._holders: dict[str, _Holding] = {}
+        self._queued: dict[str, float] = {}  # each run's place in the queue (``_rules``)
 
     async def append(
         self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
@@ -60,6 +63,7 @@ class MemoryCheckpointer:
             self._rows.setdefault(run_id, []).append((step_id, phase, decision, payload, created))
         usage = counts_of(events)
         info = self._info(run_id)
+        self._requeue(run_id, info.status, status)
         self._runs[run_id] = dataclasses.replace(
             info,
             status=rules.status_after(info.status, status),
@@ -73,7 +77,13 @@ class MemoryCheckpointer:
             tool_steps=info.tool_steps + usage["tools"],
             cached_input_tokens=info.cached_input_tokens + usage["cread"],
             cache_write_tokens=info.cache_write_tokens + usage["cwrite"],
+            **_budget_after(info, events),
         )
+
+    def _requeue(self, run_id: str, current: RunStatus, requested: RunStatus | None) -> None:
+        now = time.time()
+        queued = self._queued.setdefault(run_id, now)
+        self._queued[run_id] = rules.queued_after(queued, current, requested, now)
 
     def _info(self, run_id: str) -> RunInfo:
         now = time.time()
@@ -129,6 +139,8 @@ class MemoryCheckpointer:
         info, saved = self._runs.get(lease.run_id), savings or Savings()
         if info is None or info.fence != lease.token or info.lease_owner != lease.owner:
             return
+        if info.status is RunStatus.RUNNING:
+            self._queued[lease.run_id] = time.time()
         self._runs[lease.run_id] = dataclasses.replace(
             info,
             lease_owner=None,
@@ -177,6 +189,7 @@ class MemoryCheckpointer:
         info, status = self._runs[run_id], RunStatus(status)
         if info.status == RunStatus.CLOSED and status != RunStatus.CLOSED:
             raise run_closed(run_id)
+        self._requeue(run_id, info.status, status)
         self._runs[run_id] = dataclasses.replace(
             info,
             status=rules.status_after(info.status, status),
@@ -192,11 +205,13 @@ class MemoryCheckpointer:
         if run_id in self._runs:
             raise UsageError(f"run {run_id!r} already exists")
         self._runs[run_id] = dataclasses.replace(self._info(run_id), task=task, agent=agent)
+        self._queued[run_id] = time.time()
         self._wakeup.ring()
 
     async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
         now = time.time()
-        for info in sorted(self._runs.values(), key=lambda r: (r.updated_at, r.run_id)):
+        queue = (self._queued.get(r.run_id, r.created_at) for r in self._runs.values())
+        for _, info in sorted(zip(queue, self._runs.values(), strict=True), key=_queue_order):
             if not rules.claimable_now(info, now) or info.task is None:
                 continue
             if rules.parks(info.attempts, max_attempts):
@@ -206,6 +221,7 @@ class MemoryCheckpointer:
             lease = await self.acquire(info.run_id, holder, ttl=ttl)
             taken = self._runs[info.run_id]
             self._runs[info.run_id] = dataclasses.replace(taken, attempts=taken.attempts + 1)
+            self._queued[info.run_id] = time.time()  # to the back: leased runs stay out of the way
             agent = info.agent or "default"
             return Claim(lease=lease, task=info.task, agent=agent, attempts=info.attempts + 1)
         return None
@@ -228,3 +244,18 @@ class MemoryCheckpointer:
 
     async def close(self) -> None:
         return None
+
+
+def _queue_order(entry: tuple[float, RunInfo]) -> tuple[float, bytes]:
+    """``_rules.queue_order`` in Python: the longest queued first, run ids byte by byte."""
+    queued, info = entry
+    return queued, info.run_id.encode()
+
+
+def _budget_after(info: RunInfo, events: tuple[StepEvent, ...]) -> dict[str, Any]:
+    """The budget columns after an append (``budget.after``, as the SQL backends apply it)."""
+    shown = {name: getattr(info, column) for column, name in rules.BUDGET_COLUMNS}
+    limits = budget.after(shown if info.budgeted else None, budget.noted(events))
+    if limits is None:
+        return {}
+    return {column: index_limit(column, limits.get(name)) for column, name in rules.BUDGET_COLUMNS}

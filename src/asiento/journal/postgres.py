@@ -54,7 +54,13 @@ from ..errors import (
 from ..events import Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
 from . import _postgres_schema as sql
-from ._backfill import CACHE_RECORDS, MIGRATION_ADVICE, CacheTotals
+from ._backfill import (
+    BUDGET_RECORDS,
+    CACHE_RECORDS,
+    MIGRATION_ADVICE,
+    CacheTotals,
+    RunBudgets,
+)
 from .base import (
     Row,
     check_id,
@@ -683,8 +689,27 @@ async def _backfill_cache_tokens(conn: Conn) -> None:
         )
 
 
+async def _backfill_budgets(conn: Conn) -> None:
+    """Migration 6: each run's budget, folded from the records that name one (in Python,
+    as ``_backfill_cache_tokens`` reads them)."""
+    budgets = RunBudgets()
+    async with conn.cursor(name="asiento_backfill_budgets") as found:
+        await found.execute(BUDGET_RECORDS + " ORDER BY seq")
+        async for run_id, step_id, phase, payload in found:
+            budgets.add(run_id, step_id, phase, payload)
+    async with conn.cursor() as cur:
+        await cur.executemany(
+            "UPDATE runs SET budget_cost = %s, budget_tokens = %s, budget_model_calls = %s"
+            " WHERE run_id = %s",
+            budgets.updates(),
+        )
+
+
 # What a migration fills in after its SQL ran, by the version it brings the database to.
-_BACKFILLS: dict[int, Callable[[Conn], Awaitable[None]]] = {3: _backfill_cache_tokens}
+_BACKFILLS: dict[int, Callable[[Conn], Awaitable[None]]] = {
+    3: _backfill_cache_tokens,
+    6: _backfill_budgets,
+}
 
 
 def _text(exc: psycopg.Error) -> str:

@@ -67,14 +67,21 @@ _NO_ROOM = {
 # How many runs one claim may park before it gives up for this call.
 _MAX_PARKED_PER_CLAIM = 100
 
+
+def _param(name: str) -> str:
+    return f":{name}"
+
+
 _UPSERT_RUN = f"""
-INSERT INTO runs (run_id, status, events, created_at, updated_at,
+INSERT INTO runs (run_id, status, events, created_at, updated_at, queued_at,
                   model_calls, input_tokens, output_tokens, cost, tool_steps,
-                  cached_input_tokens, cache_write_tokens)
-VALUES (:run_id, coalesce(:status, 'running'), :added, :now, :now, :calls, :inp, :out, :cost,
-        :tools, :cread, :cwrite)
+                  cached_input_tokens, cache_write_tokens,
+                  budget_cost, budget_tokens, budget_model_calls)
+VALUES (:run_id, coalesce(:status, 'running'), :added, :now, :now, :now, :calls, :inp, :out,
+        :cost, :tools, :cread, :cwrite, :b_budget_cost, :b_budget_tokens, :b_budget_model_calls)
 ON CONFLICT (run_id) DO UPDATE SET
-    {rules.status_write(":status", row="runs.")},
+    {rules.budget_write(_param, row="runs.")},
+    {rules.status_write(":status", ":now", row="runs.")},
     events = runs.events + :added,
     updated_at = :now,
     model_calls = runs.model_calls + :calls,
@@ -89,7 +96,7 @@ WHERE runs.{rules.STILL_OPEN}
 
 _APPEND_LEASED = f"""
 UPDATE runs SET
-    {rules.status_write(":status")},
+    {rules.status_write(":status", ":now")},
     events = events + :added,
     updated_at = :now,
     model_calls = model_calls + :calls,
@@ -99,11 +106,13 @@ UPDATE runs SET
     cached_input_tokens = cached_input_tokens + :cread,
     cache_write_tokens = cache_write_tokens + :cwrite,
     cost = cost + :cost,
+    {rules.budget_write(_param)},
     lease_expires = :now + lease_ttl
 WHERE run_id = :run_id AND fence = :token AND lease_owner = :owner AND lease_expires >= :now
 """
 
-# The same for the append of almost every step, which leaves the status as it is:
+# The same for the append of almost every step, which leaves the status (and the
+# budget) as it is:
 # naming ``status`` (an indexed column) in SET rewrites its index entry even when the
 # value stays, about half the cost of the statement. Positional, as binding by name
 # costs a little more.
@@ -122,6 +131,8 @@ UPDATE runs SET
 WHERE run_id = ?10 AND fence = ?11 AND lease_owner = ?12 AND lease_expires >= ?2
 """
 
+_REQUEUE_RELEASED = rules.requeue_released("?")
+
 _INSERT_RECORD = "INSERT INTO journal VALUES (?, ?, ?, ?, ?, ?)"
 
 _CHECK_LEASE = """
@@ -132,19 +143,21 @@ WHERE run_id = :run_id AND fence = :token AND lease_owner = :owner AND lease_exp
 _RUN_COLUMNS = """run_id, status, events, created_at, updated_at, lease_owner, lease_expires,
 fence, model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
 saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps,
-cached_input_tokens, cache_write_tokens"""
+cached_input_tokens, cache_write_tokens, budget_cost, budget_tokens, budget_model_calls"""
 
 # A closed run takes no other status (no row changes: ``RunClosed``).
 _SET_STATUS = f"""
-UPDATE runs SET {rules.status_write(":status")}, updated_at = :now,
+UPDATE runs SET {rules.status_write(":status", ":now")}, updated_at = :now,
     reason = coalesce(:reason, reason)
 WHERE run_id = :run_id AND ({rules.STILL_OPEN} OR :status = 'closed')
 """
 
+# INDEXED BY: without statistics, SQLite would rather read every running run by status
+# and sort them, whatever the size of the queue.
 _CLAIMABLE = f"""
-SELECT run_id, task, agent, attempts, reason, fence FROM runs
+SELECT run_id, task, agent, attempts, reason, fence FROM runs INDEXED BY runs_claimable
 WHERE {rules.claimable(":now")}
-ORDER BY updated_at, run_id LIMIT 1
+ORDER BY {rules.queue_order()} LIMIT 1
 """
 
 
@@ -278,7 +291,7 @@ class SqliteCheckpointer:
         """The statements of one append, inside a transaction the caller opened."""
         db, counts, lease, status = self._db, item.counts, item.lease, item.status
         run_id, rows = item.run_id, item.rows
-        if lease is not None and status is None:  # the lease checked and extended
+        if lease is not None and status is None and not counts["budget"]:  # the lease checked
             added = (len(rows), now, counts["calls"], counts["tools"], counts["inp"])
             more = (counts["out"], counts["cost"], counts["cread"], counts["cwrite"])
             where = (run_id, lease.token, lease.owner)
@@ -329,9 +342,9 @@ class SqliteCheckpointer:
             row = self._db.execute(sql, (run_id,)).fetchone()
             if row is None:
                 self._db.execute(
-                    "INSERT INTO runs (run_id, status, events, created_at, updated_at)"
-                    " VALUES (?, 'running', 0, ?, ?)",
-                    (run_id, now, now),
+                    "INSERT INTO runs (run_id, status, events, created_at, updated_at, queued_at)"
+                    " VALUES (?, 'running', 0, ?, ?, ?)",
+                    (run_id, now, now, now),
                 )
                 row = (None, None, None, None, None, 0)
             owner, host, pid, started, expires, fence = row
@@ -373,12 +386,13 @@ class SqliteCheckpointer:
         saved = savings or Savings()
         with self._errors(), self._transaction():
             self._db.execute(
-                "UPDATE runs SET lease_owner = NULL, lease_expires = NULL,"
+                f"UPDATE runs SET lease_owner = NULL, lease_expires = NULL, {_REQUEUE_RELEASED},"
                 " replayed_calls = replayed_calls + ?, saved_input_tokens = saved_input_tokens + ?,"
                 " saved_output_tokens = saved_output_tokens + ?, saved_cost = saved_cost + ?,"
                 " attempts = CASE WHEN ? THEN max(attempts - 1, 0) ELSE attempts END"
                 " WHERE run_id = ? AND fence = ? AND lease_owner = ?",
                 (
+                    time.time(),
                     saved.calls,
                     saved.input_tokens,
                     saved.output_tokens,
@@ -462,9 +476,9 @@ class SqliteCheckpointer:
         with self._errors(), self._transaction():
             try:
                 self._db.execute(
-                    "INSERT INTO runs (run_id, status, events, created_at, updated_at, task, agent)"
-                    " VALUES (?, 'running', 0, ?, ?, ?, ?)",
-                    (run_id, now, now, task, agent),
+                    "INSERT INTO runs (run_id, status, events, created_at, updated_at, queued_at,"
+                    " task, agent) VALUES (?, 'running', 0, ?, ?, ?, ?, ?)",
+                    (run_id, now, now, now, task, agent),
                 )
             except sqlite3.IntegrityError:
                 raise UsageError(f"run {run_id!r} already exists in {self.path}") from None
@@ -486,7 +500,8 @@ class SqliteCheckpointer:
                     continue
                 self._take(run_id, holder, ttl, fence, now)
                 self._db.execute(
-                    "UPDATE runs SET attempts = attempts + 1 WHERE run_id = ?", (run_id,)
+                    "UPDATE runs SET attempts = attempts + 1, queued_at = ? WHERE run_id = ?",
+                    (now, run_id),
                 )
                 lease = Lease(run_id=run_id, token=fence + 1, owner=holder.owner, expires=now + ttl)
                 return Claim(lease=lease, task=task, agent=agent, attempts=attempts + 1)

@@ -103,6 +103,7 @@ class Pages:
                 "pretty": _pretty,
                 "runurl": run_url,
                 "money": fmt.money,
+                "budget": fmt.budget_text,
                 "state": self.state,
             }
         )

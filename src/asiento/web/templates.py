@@ -170,8 +170,8 @@ RUNS = """{% extends "base.html" %}{% from "card.html" import card %}
 <h2>{{ status or "All" }} runs</h2>
 <table class="runs">
 <thead><tr><th>run</th><th>state</th><th>steps</th><th>last activity</th><th>lease</th>
-<th>calls</th><th>tokens in/out</th><th>cost</th><th>replayed</th><th>saved in/out</th>
-<th>saved cost</th></tr></thead>
+<th>calls</th><th>tokens in/out</th><th>cost</th><th>spent/budget</th><th>replayed</th>
+<th>saved in/out</th><th>saved cost</th></tr></thead>
 <tbody>
 {% for r in runs %}{% set st = r|state %}<tr>
   <td><a href="{{ r.run_id|runurl }}">{{ r.run_id }}</a></td>
@@ -181,10 +181,11 @@ RUNS = """{% extends "base.html" %}{% from "card.html" import card %}
   <td class="num">{{ r.model_calls }}</td>
   <td class="num">{{ r.input_tokens }}/{{ r.output_tokens }}</td>
   <td class="num">{{ r.cost|money }}</td>
+  <td class="num budget">{{ r|budget }}</td>
   <td class="num">{{ r.replayed_calls }}</td>
   <td class="num">{{ r.saved_input_tokens }}/{{ r.saved_output_tokens }}</td>
   <td class="num">{{ r.saved_cost|money }}</td>
-</tr>{% else %}<tr><td colspan="11" class="muted">No runs.</td></tr>{% endfor %}
+</tr>{% else %}<tr><td colspan="12" class="muted">No runs.</td></tr>{% endfor %}
 </tbody></table>
 {% endblock %}"""
 

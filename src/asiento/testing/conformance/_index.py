@@ -17,6 +17,7 @@ from asiento import (
     ModelResponse,
     Phase,
     RunClosed,
+    RunInfo,
     RunStatus,
     Session,
     Step,
@@ -109,6 +110,32 @@ class IndexTests:
         assert (info.steps, info.model_calls, info.tool_steps, info.events) == (3, 1, 2, 10)
         await store.append(ev("m3", response={"usage": [1, 1]}), ev("m3.t1", Phase.INTENT))
         assert (await info_of(store)).steps == 5
+
+    async def test_the_budget_follows_its_records(self, store: Checkpointer) -> None:
+        """The budget columns are what the records say (``budget.after``): the limits a
+        model result or a stop records, each raise after them above the limit (an unset
+        limit stays unset), in one append or several; other records change nothing."""
+        limits = {"max_cost": 1.5, "max_tokens": None, "max_model_calls": 3}
+        lease = await store.acquire("run-1", holder("w1"), ttl=30)
+        model = ev("m1", fp="f", response={"text": "", "usage": [1, 1]}, budget=limits)
+        await store.append(model, lease=lease)
+        assert _budget(await info_of(store)) == (1.5, None, 3)
+        await store.append(ev("m2", fp="g", response={"text": ""}), lease=lease)
+        assert _budget(await info_of(store)) == (1.5, None, 3)
+        stop = ev("budget1", Phase.INTENT, limit="max_model_calls", spent={}, before="m3",
+                  budget=dict(limits, max_model_calls=2))  # fmt: skip
+        await store.append(stop, lease=lease)
+        assert _budget(await info_of(store)) == (1.5, None, 2)
+        await store.release(lease)
+        raised = ev("budget1", Phase.APPROVAL, limits={"max_model_calls": 5, "max_tokens": 9},
+                    by="ana", reason="")  # fmt: skip
+        await store.append(raised)
+        assert _budget(await info_of(store)) == (1.5, None, 5)
+        lower = ev("budget2", Phase.INTENT, limit="max_cost", spent={}, before="m9",
+                   budget=dict(limits, max_model_calls=5))  # fmt: skip
+        lowered = ev("budget2", Phase.APPROVAL, limits={"max_cost": 1.0}, by="ana", reason="")
+        await store.append(lower, lowered)  # a raise never lowers a limit
+        assert _budget(await info_of(store)) == (1.5, None, 5)
 
     async def test_refused_batches_add_no_steps(self, store: Checkpointer) -> None:
         """A batch refused whole (a duplicate record, a lost lease) adds no step to the index."""
@@ -231,11 +258,11 @@ class IndexTests:
     async def test_claim_that_parks_a_run_claims_the_next(self, store: Checkpointer) -> None:
         """A claim that parks an exhausted run goes on to claim the next run needing work."""
         await store.submit("job-1", "t1")
-        await store.submit("job-2", "t2")
         first = await store.claim(holder("w1"), ttl=30, max_attempts=1)
         assert first is not None
         assert first.lease.run_id == "job-1"
-        await store.release(first.lease)
+        await store.release(first.lease)  # back in the queue, ahead of job-2
+        await store.submit("job-2", "t2")
         second = await store.claim(holder("w1"), ttl=30, max_attempts=1)
         assert second is not None
         assert second.lease.run_id == "job-2"
@@ -344,3 +371,7 @@ class IndexTests:
         assert found is not None
         assert (found.task, found.agent, found.events) == ("task", "payer", 0)
         assert await store.run("nope") is None
+
+
+def _budget(info: RunInfo) -> tuple[float | None, int | None, int | None]:
+    return (info.budget_cost, info.budget_tokens, info.budget_model_calls)
