@@ -1,0 +1,438 @@
+"""Run an existing ``pydantic_ai.Agent`` durably: ``await durable_run(agent, prompt, ...)``.
+
+The agent's code stays as it is. For the run, its model is wrapped (``_JournaledModel``,
+as Pydantic AI's own Temporal and DBOS backends wrap it) and so is each of its
+toolsets (``_JournaledToolset``, whose ``call_tool`` goes through the journal):
+
+- model request n is step ``m{n}``: a recorded answer is handed back without calling
+  the model (a changed request is ``ReplayDivergence``); a new request carries the
+  step's deterministic ``Idempotency-Key``, so ``asiento gateway`` bills a crash
+  inside it once; its answer is recorded before the agent sees it;
+- tool call k of ``m{n}`` is step ``m{n}.t{k}`` (its place in the recorded answer, so
+  parallel calls keep their ids): intent and submitted are durable before it runs,
+  and a resumed run follows the replay table, as a native run does: a recorded
+  result is fed back, an idempotent tool runs again, any other raises
+  ``UncertainEffect`` for a person to resolve;
+- a closed run hands back its recorded output without running anything.
+
+The run holds its lease through a ``Session`` and writes through the same
+``Checkpointer`` calls as a native run, so ``asiento ls``, ``show``, ``resolve``
+and ``abandon`` work on it unchanged. docs/integrations/pydantic-ai.md says what
+this cannot make durable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import TypeAdapter
+from pydantic_ai import Agent, DeferredToolRequests, RunContext
+from pydantic_ai.exceptions import ApprovalRequired, CallDeferred, ModelRetry
+from pydantic_ai.messages import ModelMessage
+from pydantic_ai.messages import ModelResponse as FrameworkResponse
+from pydantic_ai.models import Model, ModelRequestParameters, StreamedResponse, infer_model
+from pydantic_ai.models.wrapper import WrapperModel
+from pydantic_ai.settings import ModelSettings
+from pydantic_ai.toolsets import ToolsetTool, WrapperToolset
+from pydantic_core import to_jsonable_python
+
+from .. import context, step_ids
+from .._canonical import canonical_json, fingerprint, key_header, model_key
+from .._crash import crash_point
+from ..errors import AsientoError, ReplayDivergence, UncertainEffect, UsageError
+from ..events import Decision, Lease, Phase, RunStatus, StepEvent
+from ..journal.base import Checkpointer
+from ..model import ModelRequest
+from ..payloads import (
+    SUBMITTED,
+    Approval,
+    Final,
+    Intent,
+    ModelResult,
+    Outcome,
+    Resolution,
+)
+from ..replay import Action, Indexed, decide, index, step_state
+from ..session import RunStats, Session
+from ._pydantic_ai_records import (
+    dump_messages,
+    load_messages,
+    model_payload,
+    recorded_response,
+    request_fingerprint,
+    tool_call_ids,
+)
+
+__all__ = ["DurableResult", "durable_run"]
+
+_OUTPUT_KEY = "pydantic_ai_output"
+_MESSAGES_KEY = "pydantic_ai_messages"
+
+
+@dataclass(frozen=True, slots=True)
+class DurableResult:
+    """What a durable run of a Pydantic AI agent ended with.
+
+    ``output`` is the agent's output (for a closed run, the recorded one, validated
+    again against the agent's ``output_type``); ``replayed`` says the run was closed
+    already and nothing ran; ``stats`` counts what this call paid and what the journal
+    saved it from paying again.
+    """
+
+    run_id: str
+    output: Any
+    messages: list[ModelMessage]
+    replayed: bool
+    stats: RunStats
+
+
+async def durable_run(
+    agent: Agent[Any, Any],
+    prompt: str,
+    *,
+    run_id: str,
+    store: Checkpointer,
+    idempotent: Iterable[str] = (),
+    model: Model | str | None = None,
+    deps: Any = None,
+    message_history: Sequence[ModelMessage] | None = None,
+    lease_ttl: float = 30.0,
+    wait: float = 0.0,
+    lease: Lease | None = None,
+) -> DurableResult:
+    """Drive ``agent`` on ``prompt`` as run ``run_id`` of ``store``, to its end.
+
+    Call it again with the same arguments after a crash: what the journal holds is
+    replayed, what is missing is done, each effect once or ``UncertainEffect``.
+    ``idempotent`` names the tools that are safe to run again when a crash left their
+    outcome unknown (every other tool is not). ``lease`` is one a worker claimed.
+    """
+    if not isinstance(agent, Agent):
+        raise UsageError(f"durable_run() takes a pydantic_ai.Agent, got {agent!r}")
+    if not isinstance(prompt, str):
+        raise UsageError(f"durable_run(prompt=...) must be a str, got {type(prompt).__name__}")
+    chosen = model if model is not None else agent.model
+    if chosen is None:
+        raise UsageError("durable_run(): the agent has no model; pass model=...")
+    safe = frozenset(idempotent)
+    session = Session(run_id, _FrameworkModel(), store, lease_ttl=lease_ttl, wait=wait, lease=lease)
+    final = await store.final(session.run_id)
+    if final is not None:
+        await session.settle_closed()
+        return _closed(agent, session, final)
+    async with session.driving() as held:
+        run = _Run(session, held, safe, index(await store.load(session.run_id)))
+        wrapped = _JournaledModel(infer_model(chosen), run=run)
+        toolsets = [_JournaledToolset(t, run=run) for t in agent.toolsets]
+        with agent.override(model=wrapped, toolsets=toolsets, tools=[]), _unwrapped():
+            result = await agent.run(prompt, deps=deps, message_history=message_history)
+        if isinstance(result.output, DeferredToolRequests):
+            deferred = result.output.approvals + result.output.calls
+            raise UsageError(
+                f"run {run.run_id!r}: the agent deferred tool calls "
+                f"({', '.join(c.tool_name for c in deferred)}); "
+                "the Pydantic AI integration does not map deferred tools or requires_approval "
+                "to asiento approvals yet, and resuming them with DeferredToolResults would run "
+                "them outside the journal; the run stays open"
+            )
+        messages = result.all_messages()
+        await run.close(result.output, messages)
+    return DurableResult(
+        run_id=session.run_id,
+        output=result.output,
+        messages=messages,
+        replayed=False,
+        stats=session.stats,
+    )
+
+
+def _closed(agent: Agent[Any, Any], session: Session, final: StepEvent) -> DurableResult:
+    """A closed run answers with what it recorded, and nothing runs."""
+    payload = final.payload
+    closed = Final.from_json(payload)
+    if closed.abandoned or _OUTPUT_KEY not in payload:
+        raise UsageError(
+            f"run {session.run_id!r} is closed without a Pydantic AI output "
+            f"({closed.text!r}); it has nothing to hand back"
+        )
+    output = payload[_OUTPUT_KEY]
+    kind = agent.output_type
+    if isinstance(kind, type) and kind is not str:
+        output = TypeAdapter(kind).validate_python(output)
+    return DurableResult(
+        run_id=session.run_id,
+        output=output,
+        messages=load_messages(payload.get(_MESSAGES_KEY)),
+        replayed=True,
+        stats=session.stats,
+    )
+
+
+@contextlib.contextmanager
+def _unwrapped() -> Any:
+    """An asiento error raised inside the agent's task group comes out as itself."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        mine = [e for e in _leaves(group) if isinstance(e, AsientoError)]
+        if mine:
+            raise mine[0] from group
+        raise
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
+class _FrameworkModel:
+    """The ``Session``'s gateway slot: the framework's own model asks, never asiento's."""
+
+    async def complete(self, request: ModelRequest, *, idempotency_key: str) -> Any:
+        raise UsageError("a Pydantic AI run asks its model through the agent, not a gateway")
+
+
+class _Run:
+    """One pass over a Pydantic AI run: the journal as loaded, and what this pass adds."""
+
+    def __init__(
+        self, session: Session, lease: Lease, idempotent: frozenset[str], journal: Indexed
+    ) -> None:
+        self.session, self.lease, self.idempotent = session, lease, idempotent
+        self.run_id, self.store, self.stats = session.run_id, session.store, session.stats
+        self.journal = journal
+        self.turns = 0  # model requests made or replayed so far: the next is m{turns + 1}
+        self.tool_steps: dict[str, str] = {}  # tool call id -> its step id
+
+    async def append(self, *events: StepEvent, status: RunStatus | None = None) -> None:
+        await self.store.append(*events, status=status, lease=self.lease)
+        for event in events:
+            self.journal.setdefault(event.step_id, {})[event.phase] = event
+
+    def event(
+        self, step_id: str, phase: Phase, payload: Any, decision: Decision | None = None
+    ) -> StepEvent:
+        return StepEvent(
+            run_id=self.run_id, step_id=step_id, phase=phase, payload=payload, decision=decision
+        )
+
+    # -- model steps ---------------------------------------------------------------
+
+    async def model_step(
+        self,
+        messages: list[ModelMessage],
+        settings: ModelSettings | None,
+        parameters: ModelRequestParameters,
+        ask: Callable[[ModelSettings], Awaitable[FrameworkResponse]],
+    ) -> FrameworkResponse:
+        self.turns += 1
+        step_id = step_ids.model(self.turns)
+        fp = request_fingerprint(messages, settings, parameters)[:32]
+        recorded = self.journal.get(step_id, {}).get(Phase.RESULT)
+        if recorded is not None:
+            response = self._replayed(step_id, fp, recorded)
+        else:
+            key = model_key(self.run_id, step_id, fp)
+            keyed: dict[str, Any] = dict(settings or {})
+            keyed["extra_headers"] = dict(keyed.get("extra_headers") or {}) | key_header(key)
+            response = await ask(ModelSettings(**keyed))  # type: ignore[typeddict-item]
+            crash_point("inside_model_call")
+            self.stats.model_calls += 1
+            self.stats.input_tokens += response.usage.input_tokens
+            self.stats.output_tokens += response.usage.output_tokens
+            await self.append(self.event(step_id, Phase.RESULT, model_payload(fp, response)))
+            crash_point("after_model_result")
+        for number, call_id in enumerate(tool_call_ids(response), 1):
+            self.tool_steps[call_id] = step_ids.tool(step_id, number)
+        return response
+
+    def _replayed(self, step_id: str, fp: str, recorded: StepEvent) -> FrameworkResponse:
+        result = ModelResult.from_json(recorded.payload)
+        if result.fp != fp:
+            raise ReplayDivergence(
+                self.run_id,
+                step_id,
+                f"the recorded request has fingerprint {result.fp[:12]}…, the resumed agent "
+                f"would send {fp[:12]}… (its instructions, tools, settings or history changed)",
+            )
+        response = recorded_response(recorded.payload, f"run {self.run_id!r} step {step_id!r}")
+        self.stats.model_calls_replayed += 1
+        self.stats.input_tokens_saved += result.response.usage.input_tokens
+        self.stats.output_tokens_saved += result.response.usage.output_tokens
+        return response
+
+    # -- tool steps ----------------------------------------------------------------
+
+    async def tool_step(
+        self,
+        name: str,
+        args: dict[str, Any],
+        call_id: str | None,
+        run: Callable[[], Awaitable[Any]],
+    ) -> Any:
+        step_id = self.tool_steps.get(call_id or "")
+        if step_id is None:
+            raise UsageError(
+                f"run {self.run_id!r}: Pydantic AI called tool {name!r} (call id {call_id!r}) "
+                "outside any model answer this run recorded; asiento cannot journal it, and "
+                "running it unjournaled would repeat it after a crash"
+            )
+        state = step_state(self.journal, step_id)
+        records = state.records
+        action = decide(records, idempotent=name in self.idempotent)
+        if action is Action.FEED_RESULT:
+            self.stats.tool_calls_replayed += 1
+            return _fed(Outcome.from_json(records[Phase.RESULT].payload))
+        if action is Action.FEED_RESOLUTION:
+            self.stats.tool_calls_replayed += 1
+            return _fed(Resolution.from_json(records[Phase.RESOLUTION].payload).as_outcome())
+        if action is Action.FEED_DENIAL:
+            approval = records.get(Phase.APPROVAL)
+            denial = (
+                Approval.from_json(approval.payload).as_outcome()
+                if approval is not None
+                else Outcome.denied("policy", "denied by policy")
+            )
+            return denial.text()
+        if action is Action.UNCERTAIN:
+            await self.store.set_status(
+                self.run_id,
+                RunStatus.UNCERTAIN,
+                lease=self.lease,
+                waits_for=(state.current_id, Phase.RESOLUTION),
+            )
+            raise UncertainEffect(
+                self.run_id,
+                state.current_id,
+                name,
+                "it was submitted and no outcome was recorded; it is not declared idempotent "
+                "(durable_run(idempotent=...))",
+            )
+        if action is Action.AWAIT_APPROVAL:  # never written by this integration
+            raise UsageError(
+                f"run {self.run_id!r} step {step_id!r} waits for an approval; the Pydantic AI "
+                "integration does not map approvals yet"
+            )
+        events: list[StepEvent] = []
+        if action is Action.START:
+            frozen = to_jsonable_python(args)
+            intent = Intent(tool=name, args=frozen, fp=fingerprint(frozen)[:32])
+            events.append(self.event(step_id, Phase.INTENT, intent.to_json(), Decision.ALLOW))
+        attempt_id = state.next_id
+        events.append(self.event(attempt_id, Phase.SUBMITTED, SUBMITTED))
+        crash_point("before_intent")
+        await self.append(*events)
+        crash_point("after_intent")
+        crash_point("after_submitted")
+        return await self._execute(step_id, attempt_id, name, run)
+
+    async def _execute(
+        self, step_id: str, attempt_id: str, name: str, run: Callable[[], Awaitable[Any]]
+    ) -> Any:
+        where = context.StepContext(
+            run_id=self.run_id, step_id=step_id, attempt_id=attempt_id, tool=name
+        )
+        token = context.enter(where)
+        try:
+            value = await run()
+        except ModelRetry as exc:  # the tool knows it did nothing: the model is asked again
+            await self.append(self.event(attempt_id, Phase.RESULT, _retry(exc).to_json()))
+            raise
+        except (ApprovalRequired, CallDeferred) as exc:
+            unsent = Resolution(
+                happened=False, by="asiento", reason=f"the tool deferred itself: {exc!r}"[:500]
+            )
+            await self.append(self.event(attempt_id, Phase.RESOLUTION, unsent.to_json()))
+            raise
+        finally:
+            context.leave(token)
+        self.stats.tool_calls += 1
+        crash_point("after_tool")
+        outcome = Outcome.ok(to_jsonable_python(value))
+        await self.append(self.event(attempt_id, Phase.RESULT, outcome.to_json()))
+        crash_point("after_result")
+        return value
+
+    async def close(self, output: Any, messages: Sequence[ModelMessage]) -> None:
+        final = Final(step=step_ids.model(self.turns), text=_shown(output)).to_json() | {
+            _OUTPUT_KEY: to_jsonable_python(output),
+            _MESSAGES_KEY: dump_messages(messages),
+        }
+        await self.append(self.event(step_ids.FINAL, Phase.RESULT, final), status=RunStatus.CLOSED)
+
+
+_RETRY_PREFIX = "model_retry: "
+
+
+def _retry(exc: ModelRetry) -> Outcome:
+    return Outcome.failed(_RETRY_PREFIX + exc.message)
+
+
+def _fed(outcome: Outcome) -> Any:
+    """What a recorded outcome hands back to the agent: the value, or the recorded retry."""
+    if outcome.status == "ok":
+        return outcome.value
+    if outcome.status == "error" and (outcome.error or "").startswith(_RETRY_PREFIX):
+        raise ModelRetry((outcome.error or "")[len(_RETRY_PREFIX) :])
+    return outcome.text()
+
+
+def _shown(output: Any) -> str:
+    """The output as ``asiento show`` prints a run's answer: text, or its canonical JSON."""
+    return output if isinstance(output, str) else canonical_json(to_jsonable_python(output))
+
+
+class _JournaledModel(WrapperModel):
+    """The agent's model, with every request going through the run's journal."""
+
+    def __init__(self, wrapped: Model, *, run: _Run) -> None:
+        super().__init__(wrapped)
+        self._run = run
+
+    async def request(
+        self,
+        messages: list[ModelMessage],
+        model_settings: ModelSettings | None,
+        model_request_parameters: ModelRequestParameters,
+    ) -> FrameworkResponse:
+        async def ask(settings: ModelSettings) -> FrameworkResponse:
+            return await self.wrapped.request(messages, settings, model_request_parameters)
+
+        return await self._run.model_step(messages, model_settings, model_request_parameters, ask)
+
+    @contextlib.asynccontextmanager
+    async def request_stream(
+        self,
+        messages: list[ModelMessage],
+        model_settings: ModelSettings | None,
+        model_request_parameters: ModelRequestParameters,
+        run_context: RunContext[Any] | None = None,
+    ) -> AsyncIterator[StreamedResponse]:
+        raise UsageError(
+            "a durable Pydantic AI run does not stream its model requests yet (run_stream, "
+            "iter with node.stream, or an event_stream_handler); a streamed answer would not be "
+            "journaled and would be paid again after a crash: use durable_run without streaming"
+        )
+        yield  # pragma: no cover
+
+
+@dataclass
+class _JournaledToolset(WrapperToolset[Any]):
+    """One of the agent's toolsets, each call going through the run's journal first."""
+
+    run: _Run | None = field(default=None, kw_only=True)
+
+    async def call_tool(
+        self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: ToolsetTool[Any]
+    ) -> Any:
+        assert self.run is not None
+
+        async def run() -> Any:
+            return await self.wrapped.call_tool(name, tool_args, ctx, tool)
+
+        return await self.run.tool_step(name, tool_args, ctx.tool_call_id, run)

@@ -1,0 +1,75 @@
+"""One pass of a durable Pydantic AI run in its own process, for the crash tests.
+
+    python tests/integrations/pydantic_ai_child.py DB RUN_ID BASE_URL EFFECTS [options]
+
+The agent is a real ``pydantic_ai.Agent`` on ``OpenAIChatModel`` (the official
+``openai`` client) against ``BASE_URL``. Its ``refund`` tool appends one line to
+``EFFECTS`` per run: the effect the tests count across processes. Arm
+``ASIENTO_CRASH_AT`` to have the pass kill itself with SIGKILL. The outcome is one
+JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+async def _pass(args: argparse.Namespace) -> dict[str, Any]:
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from asiento import ReplayDivergence, SqliteCheckpointer, UncertainEffect
+    from asiento.integrations.pydantic_ai import durable_run
+
+    provider = OpenAIProvider(base_url=args.base_url, api_key="sk-test")
+    model = OpenAIChatModel("gpt-test", provider=provider)
+    agent = Agent(model, instructions=args.instructions)
+
+    @agent.tool_plain
+    def refund(order: str) -> str:
+        """Refund an order."""
+        with Path(args.effects).open("a") as f:
+            f.write(order + "\n")
+        return f"refunded {order}"
+
+    store = SqliteCheckpointer(args.db)
+    idempotent = ["refund"] if args.idempotent else []
+    try:
+        result = await durable_run(
+            agent, "refund A1", run_id=args.run_id, store=store, idempotent=idempotent
+        )
+    except UncertainEffect as exc:
+        return {"ended": "uncertain", "step": exc.step_id}
+    except ReplayDivergence as exc:
+        return {"ended": "divergence", "step": exc.step_id}
+    finally:
+        await store.close()
+    stats = result.stats
+    return {
+        "ended": "already closed" if result.replayed else "closed",
+        "output": result.output,
+        "model_calls": stats.model_calls,
+        "replayed": stats.model_calls_replayed,
+        "tool_calls": stats.tool_calls,
+        "tools_replayed": stats.tool_calls_replayed,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("db", "run_id", "base_url", "effects"):
+        parser.add_argument(name)
+    parser.add_argument("--instructions", default="Refund what you are asked to.")
+    parser.add_argument("--idempotent", action="store_true")
+    outcome = asyncio.run(_pass(parser.parse_args()))
+    sys.stdout.write(json.dumps(outcome) + "\n")
+
+
+if __name__ == "__main__":
+    main()

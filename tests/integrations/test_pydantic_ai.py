@@ -1,0 +1,190 @@
+"""A real ``pydantic_ai.Agent`` run durably: killed with SIGKILL, resumed, counted.
+
+The agent talks to ``FakeProvider`` on 127.0.0.1 through Pydantic AI's
+``OpenAIChatModel`` and the official ``openai`` client. Each pass runs in its own
+process (``pydantic_ai_child.py``); the fake counts billable generations by their
+``Idempotency-Key`` and the tool counts its effects in a file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("pydantic_ai")
+
+from asiento import RunStatus, SqliteCheckpointer
+from asiento.proxy import create_app
+from asiento.testing import ENV_VAR
+from providers.fake_servers import Answer, AsgiServer, FakeProvider
+
+CHILD = Path(__file__).with_name("pydantic_ai_child.py")
+KILLED = -signal.SIGKILL
+RUN = "refund-1"
+SCRIPT = (Answer(calls=(("refund", {"order": "A1"}),)), Answer(text="refunded A1"))
+
+
+@pytest.fixture
+def provider() -> Iterator[FakeProvider]:
+    with FakeProvider(SCRIPT) as p:
+        yield p
+
+
+def run_pass(
+    tmp_path: Path, base_url: str, *extra: str, crash_at: str | None = None
+) -> dict[str, Any] | None:
+    """One pass in a new process; its JSON outcome, or None when it was killed."""
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    if crash_at:
+        env[ENV_VAR] = crash_at
+    argv = [
+        sys.executable, str(CHILD), str(tmp_path / "runs.db"), RUN, base_url,
+        str(tmp_path / "effects.log"), *extra,
+    ]  # fmt: skip
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+    if proc.returncode != 0:
+        assert proc.returncode == KILLED, proc.stderr
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def effects(tmp_path: Path) -> list[str]:
+    log = tmp_path / "effects.log"
+    return log.read_text().split() if log.exists() else []
+
+
+def billed_per_step(provider: FakeProvider) -> Counter[str]:
+    return Counter(key.split(":")[1] for key in provider.generations if key)
+
+
+async def _status(db: Path) -> RunStatus:
+    store = SqliteCheckpointer(db)
+    try:
+        info = await store.run(RUN)
+        assert info is not None
+        return info.status
+    finally:
+        await store.close()
+
+
+def test_the_three_pass_count(provider: FakeProvider, tmp_path: Path) -> None:
+    """Killed after the tool's result: model x1, tool x1; then model x1, tool x0; then x0."""
+    assert run_pass(tmp_path, provider.openai_url, crash_at="after_result") is None
+    assert provider.billed() == 1
+    assert effects(tmp_path) == ["A1"]
+
+    second = run_pass(tmp_path, provider.openai_url)
+    assert second == {
+        "ended": "closed", "output": "refunded A1", "model_calls": 1, "replayed": 1,
+        "tool_calls": 0, "tools_replayed": 1,
+    }  # fmt: skip
+    assert provider.billed() == 2
+    assert effects(tmp_path) == ["A1"]
+
+    third = run_pass(tmp_path, provider.openai_url)
+    assert third is not None
+    assert third["ended"] == "already closed"
+    assert third["output"] == "refunded A1"
+    assert provider.billed() == 2
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+    assert asyncio.run(_status(tmp_path / "runs.db")) is RunStatus.CLOSED
+
+
+def test_every_request_carries_its_step_key(provider: FakeProvider, tmp_path: Path) -> None:
+    """The Idempotency-Key is asiento's (run, step, request fingerprint), the same on resume."""
+    assert run_pass(tmp_path, provider.openai_url, crash_at="inside_model_call") is None
+    assert run_pass(tmp_path, provider.openai_url) is not None
+    keys = [r.key for r in provider.requests]
+    assert len(keys) == 3
+    assert keys[0] == keys[1]  # m1 asked again after the kill: the very same key
+    assert [k.split(":")[:2] for k in keys if k] == [[RUN, "m1"], [RUN, "m1"], [RUN, "m2"]]
+
+
+def test_a_non_idempotent_tool_killed_before_its_result_is_uncertain(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Killed between the tool's effect and its record: never run again, UncertainEffect."""
+    assert run_pass(tmp_path, provider.openai_url, crash_at="after_tool") is None
+    assert effects(tmp_path) == ["A1"]
+    resumed = run_pass(tmp_path, provider.openai_url)
+    assert resumed == {"ended": "uncertain", "step": "m1.t1"}
+    assert effects(tmp_path) == ["A1"]
+    assert provider.billed() == 1
+    assert asyncio.run(_status(tmp_path / "runs.db")) is RunStatus.UNCERTAIN
+
+
+def test_a_person_resolves_the_uncertain_tool_with_the_cli(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """``asiento resolve --happened`` on the framework's run: it goes on, the effect once."""
+    assert run_pass(tmp_path, provider.openai_url, crash_at="after_tool") is None
+    assert run_pass(tmp_path, provider.openai_url) == {"ended": "uncertain", "step": "m1.t1"}
+    db = str(tmp_path / "runs.db")
+    cli = [sys.executable, "-m", "asiento"]
+    shown = subprocess.run(
+        [*cli, "runs", "--store", db], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert RUN in shown.stdout
+    subprocess.run(
+        [*cli, "resolve", RUN, "m1.t1", "--happened", "--by", "ops", "--store", db],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    resumed = run_pass(tmp_path, provider.openai_url)
+    assert resumed is not None
+    assert resumed["ended"] == "closed"
+    assert effects(tmp_path) == ["A1"]
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+
+
+def test_an_idempotent_tool_killed_before_its_result_runs_again(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Declared idempotent, the same kill re-runs the tool (a new attempt) and closes."""
+    assert run_pass(tmp_path, provider.openai_url, "--idempotent", crash_at="after_tool") is None
+    resumed = run_pass(tmp_path, provider.openai_url, "--idempotent")
+    assert resumed is not None
+    assert resumed["ended"] == "closed"
+    assert resumed["tool_calls"] == 1
+    assert effects(tmp_path) == ["A1", "A1"]
+
+
+def test_a_crash_inside_a_model_call_through_the_gateway_is_billed_once(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Killed after the answer came, before it was recorded: ``asiento gateway`` keeps it."""
+    app = create_app(provider.openai_url, db=tmp_path / "keys.db")
+    with AsgiServer(app) as gateway:
+        url = gateway.url + "/v1"
+        assert run_pass(tmp_path, url, crash_at="inside_model_call") is None
+        resumed = run_pass(tmp_path, url)
+    assert resumed is not None
+    assert resumed["ended"] == "closed"
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+
+
+def test_without_the_gateway_the_same_crash_pays_twice(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """The negative control of the test above: direct to the provider, m1 is paid again."""
+    assert run_pass(tmp_path, provider.openai_url, crash_at="inside_model_call") is None
+    assert run_pass(tmp_path, provider.openai_url) is not None
+    assert billed_per_step(provider) == {"m1": 2, "m2": 1}
+
+
+def test_changed_instructions_are_a_divergence(provider: FakeProvider, tmp_path: Path) -> None:
+    """Resumed with other instructions, the recorded m1 was asked something else."""
+    assert run_pass(tmp_path, provider.openai_url, crash_at="after_result") is None
+    changed = run_pass(tmp_path, provider.openai_url, "--instructions", "Refund nothing.")
+    assert changed == {"ended": "divergence", "step": "m1"}
+    assert provider.billed() == 1
+    assert effects(tmp_path) == ["A1"]
