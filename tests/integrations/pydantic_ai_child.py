@@ -42,7 +42,7 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
     idempotent = ["refund"] if args.idempotent else []
     try:
         result = await durable_run(
-            agent, "refund A1", run_id=args.run_id, store=store, idempotent=idempotent
+            agent, args.prompt, run_id=args.run_id, store=store, idempotent=idempotent
         )
     except UncertainEffect as exc:
         return {"ended": "uncertain", "step": exc.step_id}
@@ -67,6 +67,7 @@ def main() -> None:
         parser.add_argument(name)
     parser.add_argument("--instructions", default="Refund what you are asked to.")
     parser.add_argument("--idempotent", action="store_true")
+    parser.add_argument("--prompt", default="refund A1")
     outcome = asyncio.run(_pass(parser.parse_args()))
     sys.stdout.write(json.dumps(outcome) + "\n")
 

@@ -188,3 +188,47 @@ def test_changed_instructions_are_a_divergence(provider: FakeProvider, tmp_path:
     assert changed == {"ended": "divergence", "step": "m1"}
     assert provider.billed() == 1
     assert effects(tmp_path) == ["A1"]
+
+
+PARALLEL = (
+    Answer(calls=(("refund", {"order": "A1"}), ("refund", {"order": "B2"}))),
+    Answer(text="refunded both"),
+)
+
+
+def test_parallel_tool_calls_killed_mid_way_keep_their_ids_and_run_once(tmp_path: Path) -> None:
+    """Two calls in one answer run concurrently; killed after the first result, whichever
+    it was: the ids come from the answer, a call left in flight is uncertain (a person
+    says what happened), and in the end each refund happened exactly once."""
+    prompt = ("--prompt", "refund A1 and B2")
+    with FakeProvider(PARALLEL) as provider:
+        url = provider.openai_url
+        assert run_pass(tmp_path, url, *prompt, crash_at="after_result") is None
+        resumed = run_pass(tmp_path, url, *prompt)
+        assert resumed is not None
+        if resumed["ended"] == "uncertain":  # the other call was submitted when it died
+            step = resumed["step"]
+            order = asyncio.run(_intent(tmp_path / "runs.db", step))["order"]
+            found = "--happened" if order in effects(tmp_path) else "--not-happened"
+            db = str(tmp_path / "runs.db")
+            subprocess.run(
+                [sys.executable, "-m", "asiento", "resolve", RUN, step, found, "--by", "ops",
+                 "--store", db],
+                capture_output=True, text=True, timeout=60, check=True,
+            )  # fmt: skip
+            resumed = run_pass(tmp_path, url, *prompt)
+            assert resumed is not None
+        assert resumed["ended"] == "closed"
+        assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+    assert sorted(effects(tmp_path)) == ["A1", "B2"]
+    assert asyncio.run(_intent(tmp_path / "runs.db", "m1.t1")) == {"order": "A1"}
+    assert asyncio.run(_intent(tmp_path / "runs.db", "m1.t2")) == {"order": "B2"}
+
+
+async def _intent(db: Path, step_id: str) -> dict[str, Any]:
+    store = SqliteCheckpointer(db)
+    try:
+        events = await store.load_step(RUN, step_id)
+    finally:
+        await store.close()
+    return dict(next(e.payload["args"] for e in events if e.phase.value == "intent"))
