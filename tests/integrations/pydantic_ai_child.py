@@ -20,7 +20,7 @@ from typing import Any
 
 
 async def _pass(args: argparse.Namespace) -> dict[str, Any]:
-    from pydantic_ai import Agent
+    from pydantic_ai import Agent, DeferredToolRequests
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
@@ -29,9 +29,10 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
 
     provider = OpenAIProvider(base_url=args.base_url, api_key="sk-test")
     model = OpenAIChatModel("gpt-test", provider=provider)
-    agent = Agent(model, instructions=args.instructions)
+    output: Any = [str, DeferredToolRequests] if args.approval else str
+    agent = Agent(model, instructions=args.instructions, output_type=output)
 
-    @agent.tool_plain
+    @agent.tool_plain(requires_approval=args.approval)
     def refund(order: str) -> str:
         """Refund an order."""
         with Path(args.effects).open("a") as f:
@@ -51,6 +52,12 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await store.close()
     stats = result.stats
+    if result.awaiting:
+        return {
+            "ended": "awaiting",
+            "steps": list(result.awaiting),
+            "model_calls": stats.model_calls,
+        }
     return {
         "ended": "already closed" if result.replayed else "closed",
         "output": result.output,
@@ -68,6 +75,7 @@ def main() -> None:
     parser.add_argument("--instructions", default="Refund what you are asked to.")
     parser.add_argument("--idempotent", action="store_true")
     parser.add_argument("--prompt", default="refund A1")
+    parser.add_argument("--approval", action="store_true", help="refund requires approval")
     outcome = asyncio.run(_pass(parser.parse_args()))
     sys.stdout.write(json.dumps(outcome) + "\n")
 

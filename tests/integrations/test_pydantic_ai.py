@@ -232,3 +232,67 @@ async def _intent(db: Path, step_id: str) -> dict[str, Any]:
     finally:
         await store.close()
     return dict(next(e.payload["args"] for e in events if e.phase.value == "intent"))
+
+
+# -- Pydantic AI's approvals, as asiento approvals ------------------------------------------
+
+
+def asiento_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asiento", *args], capture_output=True, text=True, timeout=60,
+        check=True,
+    )  # fmt: skip
+
+
+def test_requires_approval_waits_for_the_cli_then_runs_exactly_once(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """A ``requires_approval`` tool is an asiento step awaiting approval: suspended, shown
+    by ``asiento show``, approved with ``asiento approve``, run once, closed once."""
+    db = str(tmp_path / "runs.db")
+    first = run_pass(tmp_path, provider.openai_url, "--approval")
+    assert first == {"ended": "awaiting", "steps": ["m1.t1"], "model_calls": 1}
+    assert effects(tmp_path) == []
+    assert asyncio.run(_status(tmp_path / "runs.db")) is RunStatus.SUSPENDED
+    again = run_pass(tmp_path, provider.openai_url, "--approval")  # nobody decided yet
+    assert again == {"ended": "awaiting", "steps": ["m1.t1"], "model_calls": 0}
+    assert "m1.t1" in asiento_cli("show", RUN, "--store", db).stdout
+    asiento_cli("approve", RUN, "m1.t1", "--by", "ops", "--store", db)
+    approved = run_pass(tmp_path, provider.openai_url, "--approval")
+    assert approved is not None
+    assert approved["ended"] == "closed"
+    assert approved["tool_calls"] == 1
+    assert effects(tmp_path) == ["A1"]
+    closed = run_pass(tmp_path, provider.openai_url, "--approval")
+    assert closed is not None
+    assert closed["ended"] == "already closed"
+    assert effects(tmp_path) == ["A1"]
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+
+
+def test_an_approved_tool_killed_before_its_result_is_not_run_again_on_the_approval(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """The approval approves one run of the tool: a crash after it ran is uncertain, the
+    approval is not re-used as a flag for a second run (pydantic-ai#5536)."""
+    db = str(tmp_path / "runs.db")
+    assert run_pass(tmp_path, provider.openai_url, "--approval") is not None
+    asiento_cli("approve", RUN, "m1.t1", "--by", "ops", "--store", db)
+    assert run_pass(tmp_path, provider.openai_url, "--approval", crash_at="after_tool") is None
+    resumed = run_pass(tmp_path, provider.openai_url, "--approval")
+    assert resumed == {"ended": "uncertain", "step": "m1.t1"}
+    assert effects(tmp_path) == ["A1"]
+
+
+def test_a_denied_tool_never_runs_and_the_model_is_told(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    db = str(tmp_path / "runs.db")
+    assert run_pass(tmp_path, provider.openai_url, "--approval") is not None
+    asiento_cli("deny", RUN, "m1.t1", "--by", "ops", "--reason", "not this one", "--store", db)
+    resumed = run_pass(tmp_path, provider.openai_url, "--approval")
+    assert resumed is not None
+    assert resumed["ended"] == "closed"
+    assert effects(tmp_path) == []
+    told = json.dumps(provider.requests[-1].body["messages"])
+    assert "not this one" in told

@@ -100,9 +100,11 @@ def _asiento_view(response: FrameworkResponse) -> ModelResponse:
     )
 
 
-def tool_call_ids(response: FrameworkResponse) -> list[str]:
-    """The ids of the tool calls the answer asks for, in the order it asks for them."""
-    return [p.tool_call_id for p in response.parts if isinstance(p, ToolCallPart)]
+def tool_calls(response: FrameworkResponse) -> list[tuple[str, dict[str, Any]]]:
+    """The tool calls the answer asks for (id, arguments), in the order it asks for them."""
+    return [
+        (p.tool_call_id, p.args_as_dict()) for p in response.parts if isinstance(p, ToolCallPart)
+    ]
 
 
 def dump_messages(messages: Sequence[ModelMessage]) -> list[Any]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import TypeAdapter
-from pydantic_ai import Agent, DeferredToolRequests, RunContext
+from pydantic_ai import Agent, DeferredToolRequests, DeferredToolResults, RunContext, ToolDenied
 from pydantic_ai.exceptions import ApprovalRequired, CallDeferred, ModelRetry
 from pydantic_ai.messages import ModelMessage
 from pydantic_ai.messages import ModelResponse as FrameworkResponse
@@ -63,7 +63,7 @@ from ._pydantic_ai_records import (
     model_payload,
     recorded_response,
     request_fingerprint,
-    tool_call_ids,
+    tool_calls,
 )
 
 __all__ = ["DurableResult", "durable_run"]
@@ -79,7 +79,9 @@ class DurableResult:
     ``output`` is the agent's output (for a closed run, the recorded one, validated
     again against the agent's ``output_type``); ``replayed`` says the run was closed
     already and nothing ran; ``stats`` counts what this call paid and what the journal
-    saved it from paying again.
+    saved it from paying again. ``awaiting`` names the tool steps that wait for a
+    person's approval (``asiento approve`` / ``deny``): the run is suspended there, its
+    ``output`` is None, and the next call after the decisions goes on.
     """
 
     run_id: str
@@ -87,6 +89,7 @@ class DurableResult:
     messages: list[ModelMessage]
     replayed: bool
     stats: RunStats
+    awaiting: tuple[str, ...] = ()
 
 
 async def durable_run(
@@ -127,17 +130,26 @@ async def durable_run(
         run = _Run(session, held, safe, index(await store.load(session.run_id)))
         wrapped = _JournaledModel(infer_model(chosen), run=run)
         toolsets = [_JournaledToolset(t, run=run) for t in agent.toolsets]
+        asked: str | None = prompt
+        history, decided = message_history, None
         with agent.override(model=wrapped, toolsets=toolsets, tools=[]), _unwrapped():
-            result = await agent.run(prompt, deps=deps, message_history=message_history)
-        if isinstance(result.output, DeferredToolRequests):
-            deferred = result.output.approvals + result.output.calls
-            raise UsageError(
-                f"run {run.run_id!r}: the agent deferred tool calls "
-                f"({', '.join(c.tool_name for c in deferred)}); "
-                "the Pydantic AI integration does not map deferred tools or requires_approval "
-                "to asiento approvals yet, and resuming them with DeferredToolResults would run "
-                "them outside the journal; the run stays open"
-            )
+            while True:  # each round ends at a deferral the journal has decisions for
+                result = await agent.run(
+                    asked, deps=deps, message_history=history, deferred_tool_results=decided
+                )
+                if not isinstance(result.output, DeferredToolRequests):
+                    break
+                decided, awaiting = await run.decisions(result.output)
+                if decided is None:
+                    return DurableResult(
+                        run_id=session.run_id,
+                        output=None,
+                        messages=result.all_messages(),
+                        replayed=False,
+                        stats=session.stats,
+                        awaiting=awaiting,
+                    )
+                asked, history = None, result.all_messages()
         messages = result.all_messages()
         await run.close(result.output, messages)
     return DurableResult(
@@ -208,6 +220,7 @@ class _Run:
         self.journal = journal
         self.turns = 0  # model requests made or replayed so far: the next is m{turns + 1}
         self.tool_steps: dict[str, str] = {}  # tool call id -> its step id
+        self.tool_args: dict[str, dict[str, Any]] = {}  # tool call id -> the model's arguments
 
     async def append(self, *events: StepEvent, status: RunStatus | None = None) -> None:
         await self.store.append(*events, status=status, lease=self.lease)
@@ -247,8 +260,9 @@ class _Run:
             self.stats.output_tokens += response.usage.output_tokens
             await self.append(self.event(step_id, Phase.RESULT, model_payload(fp, response)))
             crash_point("after_model_result")
-        for number, call_id in enumerate(tool_call_ids(response), 1):
+        for number, (call_id, args) in enumerate(tool_calls(response), 1):
             self.tool_steps[call_id] = step_ids.tool(step_id, number)
+            self.tool_args[call_id] = args
         return response
 
     def _replayed(self, step_id: str, fp: str, recorded: StepEvent) -> FrameworkResponse:
@@ -271,7 +285,6 @@ class _Run:
     async def tool_step(
         self,
         name: str,
-        args: dict[str, Any],
         call_id: str | None,
         run: Callable[[], Awaitable[Any]],
     ) -> Any:
@@ -320,8 +333,7 @@ class _Run:
             )
         events: list[StepEvent] = []
         if action is Action.START:
-            frozen = to_jsonable_python(args)
-            intent = Intent(tool=name, args=frozen, fp=fingerprint(frozen)[:32])
+            intent = self._intent(name, call_id or "")
             events.append(self.event(step_id, Phase.INTENT, intent.to_json(), Decision.ALLOW))
         attempt_id = state.next_id
         events.append(self.event(attempt_id, Phase.SUBMITTED, SUBMITTED))
@@ -330,6 +342,70 @@ class _Run:
         crash_point("after_intent")
         crash_point("after_submitted")
         return await self._execute(step_id, attempt_id, name, run)
+
+    def _intent(self, name: str, call_id: str) -> Intent:
+        """The call frozen as the recorded answer asked for it: what a person approves."""
+        frozen = to_jsonable_python(self.tool_args.get(call_id, {}))
+        return Intent(tool=name, args=frozen, fp=fingerprint(frozen)[:32])
+
+    async def decisions(
+        self, requests: DeferredToolRequests
+    ) -> tuple[DeferredToolResults | None, tuple[str, ...]]:
+        """Pydantic AI deferred calls for approval: each is an asiento step awaiting one.
+
+        New ones get their intent (``require_approval``, bound to the arguments'
+        fingerprint) and the run is suspended on the first undecided step. When every
+        one is decided, the decisions as Pydantic AI's ``DeferredToolResults``; the
+        approved calls then run through ``tool_step``, which checks the approval again.
+        """
+        if requests.calls:
+            names = ", ".join(c.tool_name for c in requests.calls)
+            raise UsageError(
+                f"run {self.run_id!r}: the agent deferred external tool calls ({names}); the "
+                "Pydantic AI integration journals approvals, not calls answered outside the "
+                "run, which it could not make exactly-once"
+            )
+        new: list[StepEvent] = []
+        results = DeferredToolResults()
+        awaiting: list[str] = []
+        for call in requests.approvals:
+            step_id = self.tool_steps.get(call.tool_call_id)
+            if step_id is None:
+                raise UsageError(
+                    f"run {self.run_id!r}: tool call {call.tool_call_id!r} awaits approval but "
+                    "no recorded answer holds it"
+                )
+            records = step_state(self.journal, step_id).records
+            if Phase.INTENT not in records:
+                intent = self._intent(call.tool_name, call.tool_call_id)
+                event = self.event(
+                    step_id, Phase.INTENT, intent.to_json(), Decision.REQUIRE_APPROVAL
+                )
+                new.append(event)
+                records = {Phase.INTENT: event}
+            action = decide(records, idempotent=call.tool_name in self.idempotent)
+            if action is Action.AWAIT_APPROVAL:
+                awaiting.append(step_id)
+            elif action is Action.FEED_DENIAL:
+                denial = Approval.from_json(records[Phase.APPROVAL].payload).as_outcome()
+                results.approvals[call.tool_call_id] = ToolDenied(denial.text())
+            else:
+                results.approvals[call.tool_call_id] = True
+        if new:
+            await self.append(*new, status=RunStatus.SUSPENDED if awaiting else None)
+        if not awaiting:
+            return results, ()
+        if not new and not await self.store.set_status(
+            self.run_id,
+            RunStatus.SUSPENDED,
+            lease=self.lease,
+            waits_for=(awaiting[0], Phase.APPROVAL),
+        ):
+            # A person decided after this pass read the journal: read it again. Each
+            # round follows a new decision, so there are at most as many as steps.
+            self.journal = index(await self.store.load(self.run_id))
+            return await self.decisions(requests)
+        return None, tuple(awaiting)
 
     async def _execute(
         self, step_id: str, attempt_id: str, name: str, run: Callable[[], Awaitable[Any]]
@@ -435,4 +511,4 @@ class _JournaledToolset(WrapperToolset[Any]):
         async def run() -> Any:
             return await self.wrapped.call_tool(name, tool_args, ctx, tool)
 
-        return await self.run.tool_step(name, tool_args, ctx.tool_call_id, run)
+        return await self.run.tool_step(name, ctx.tool_call_id, run)
