@@ -296,3 +296,18 @@ def test_a_denied_tool_never_runs_and_the_model_is_told(
     assert effects(tmp_path) == []
     told = json.dumps(provider.requests[-1].body["messages"])
     assert "not this one" in told
+
+
+def test_the_refund_example_runs_and_prints_what_it_measured() -> None:
+    """examples/integrations/pydantic_ai_refund.py: the three-pass count, one refund."""
+    example = Path(__file__).resolve().parents[2] / "examples/integrations/pydantic_ai_refund.py"
+    proc = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=300, check=True
+    )
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    assert rows[1][:3] == ["1", "1", "1"]
+    assert " ".join(rows[1][3:]) == "killed by SIGKILL"
+    assert rows[2] == ["2", "1", "0", "closed"]
+    assert rows[3] == ["3", "0", "0", "already", "closed"]
+    assert "generations billed: 2" in proc.stdout
+    assert "refunds made: 1" in proc.stdout
