@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -311,3 +311,58 @@ def test_the_refund_example_runs_and_prints_what_it_measured() -> None:
     assert rows[3] == ["3", "0", "0", "already", "closed"]
     assert "generations billed: 2" in proc.stdout
     assert "refunds made: 1" in proc.stdout
+
+
+# -- in one process: divergence on other tools --------------------------------------
+
+
+@pytest.fixture
+async def client(provider: FakeProvider) -> AsyncIterator[Any]:
+    """The official client on the fake provider, closed after the test."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=provider.openai_url, api_key="sk-test") as c:
+        yield c
+
+
+def _agent(client: Any, **options: Any) -> Any:
+    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel("gpt-test", provider=OpenAIProvider(openai_client=client))
+    agent = Agent(model, output_type=[str, DeferredToolRequests], **options)
+
+    @agent.tool_plain(requires_approval=True)
+    def refund(order: str) -> str:
+        """Refund an order."""
+        return f"refunded {order}"
+
+    return agent
+
+
+async def test_other_tools_on_resume_are_a_divergence(
+    provider: FakeProvider, client: Any, tmp_path: Path
+) -> None:
+    """Suspended on an approval, resumed by an agent with one more tool: ReplayDivergence
+    at m1, and the model is not asked again."""
+    from asiento import ReplayDivergence
+    from asiento.integrations.pydantic_ai import durable_run
+
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        first = await durable_run(_agent(client), "refund A1", run_id=RUN, store=store)
+        assert first.awaiting == ("m1.t1",)
+        changed = _agent(client)
+
+        @changed.tool_plain
+        def lookup(order: str) -> str:
+            """Look an order up."""
+            return order
+
+        with pytest.raises(ReplayDivergence) as caught:
+            await durable_run(changed, "refund A1", run_id=RUN, store=store)
+        assert caught.value.step_id == "m1"
+        assert provider.billed() == 1
+    finally:
+        await store.close()
