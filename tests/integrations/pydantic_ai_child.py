@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,15 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
     provider = OpenAIProvider(base_url=args.base_url, api_key="sk-test")
     model = OpenAIChatModel("gpt-test", provider=provider)
     output: Any = [str, DeferredToolRequests] if args.approval else str
-    agent = Agent(model, instructions=args.instructions, output_type=output)
+    toolsets: list[Any] = []
+    if args.mcp:
+        from fastmcp.client.transports import StdioTransport
+        from pydantic_ai.mcp import MCPToolset
+
+        env = {**os.environ, "MCP_LEDGER": args.effects, "MCP_DEDUP": args.effects + ".keys"}
+        server = StdioTransport(command=sys.executable, args=[args.mcp, "stdio"], env=env)
+        toolsets.append(MCPToolset(server, id="notes"))
+    agent = Agent(model, instructions=args.instructions, output_type=output, toolsets=toolsets)
 
     @agent.tool_plain(requires_approval=args.approval)
     def refund(order: str) -> str:
@@ -43,7 +52,12 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
     idempotent = ["refund"] if args.idempotent else []
     try:
         result = await durable_run(
-            agent, args.prompt, run_id=args.run_id, store=store, idempotent=idempotent
+            agent,
+            args.prompt,
+            run_id=args.run_id,
+            store=store,
+            idempotent=idempotent,
+            trusted_mcp=["notes"] if args.trusted else [],
         )
     except UncertainEffect as exc:
         return {"ended": "uncertain", "step": exc.step_id}
@@ -76,6 +90,8 @@ def main() -> None:
     parser.add_argument("--idempotent", action="store_true")
     parser.add_argument("--prompt", default="refund A1")
     parser.add_argument("--approval", action="store_true", help="refund requires approval")
+    parser.add_argument("--mcp", help="an MCP server script (stdio) whose tools the agent has")
+    parser.add_argument("--trusted", action="store_true", help="trust its annotations")
     outcome = asyncio.run(_pass(parser.parse_args()))
     sys.stdout.write(json.dumps(outcome) + "\n")
 

@@ -366,3 +366,35 @@ async def test_other_tools_on_resume_are_a_divergence(
         assert provider.billed() == 1
     finally:
         await store.close()
+
+
+# -- MCP toolsets: the MCP table decides idempotency ----------------------------------------
+
+MCP_SERVER = Path(__file__).resolve().parents[1] / "mcp_tools" / "server.py"
+LOOKUP = (Answer(calls=(("lookup", {"city": "Paris"}),)), Answer(text="sunny"))
+
+
+def lookups(tmp_path: Path) -> int:
+    log = tmp_path / "effects.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return sum(1 for line in lines if line.startswith("lookup "))
+
+
+@pytest.mark.parametrize(
+    ("trusted", "ended", "runs"), [(True, "closed", 2), (False, "uncertain", 1)],
+    ids=["trusted-read-only-reruns", "untrusted-is-uncertain"],
+)  # fmt: skip
+def test_an_mcp_tool_killed_before_its_result_follows_the_mcp_table(
+    tmp_path: Path, trusted: bool, ended: str, runs: int
+) -> None:
+    """A read-only MCP tool (pydantic-ai's MCPServerStdio, a real mcp SDK server) killed
+    after it ran: re-run when its server is trusted, UncertainEffect when it is not."""
+    options = ("--mcp", str(MCP_SERVER), "--prompt", "weather in Paris")
+    options += ("--trusted",) if trusted else ()
+    with FakeProvider(LOOKUP) as provider:
+        assert run_pass(tmp_path, provider.openai_url, *options, crash_at="after_tool") is None
+        assert lookups(tmp_path) == 1
+        resumed = run_pass(tmp_path, provider.openai_url, *options)
+    assert resumed is not None
+    assert resumed["ended"] == ended
+    assert lookups(tmp_path) == runs

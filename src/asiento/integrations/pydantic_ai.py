@@ -99,6 +99,7 @@ async def durable_run(
     run_id: str,
     store: Checkpointer,
     idempotent: Iterable[str] = (),
+    trusted_mcp: Iterable[str] = (),
     model: Model | str | None = None,
     deps: Any = None,
     message_history: Sequence[ModelMessage] | None = None,
@@ -111,7 +112,9 @@ async def durable_run(
     Call it again with the same arguments after a crash: what the journal holds is
     replayed, what is missing is done, each effect once or ``UncertainEffect``.
     ``idempotent`` names the tools that are safe to run again when a crash left their
-    outcome unknown (every other tool is not). ``lease`` is one a worker claimed.
+    outcome unknown (every other tool is not, except an MCP tool whose annotations say
+    so, from a server whose toolset ``id`` is in ``trusted_mcp``: the MCP table of
+    docs/mcp.md). ``lease`` is one a worker claimed.
     """
     if not isinstance(agent, Agent):
         raise UsageError(f"durable_run() takes a pydantic_ai.Agent, got {agent!r}")
@@ -120,14 +123,14 @@ async def durable_run(
     chosen = model if model is not None else agent.model
     if chosen is None:
         raise UsageError("durable_run(): the agent has no model; pass model=...")
-    safe = frozenset(idempotent)
+    safe, trusted = frozenset(idempotent), frozenset(trusted_mcp)
     session = Session(run_id, _FrameworkModel(), store, lease_ttl=lease_ttl, wait=wait, lease=lease)
     final = await store.final(session.run_id)
     if final is not None:
         await session.settle_closed()
         return _closed(agent, session, final)
     async with session.driving() as held:
-        run = _Run(session, held, safe, index(await store.load(session.run_id)))
+        run = _Run(session, held, safe, trusted, index(await store.load(session.run_id)))
         wrapped = _JournaledModel(infer_model(chosen), run=run)
         toolsets = [_JournaledToolset(t, run=run) for t in agent.toolsets]
         asked: str | None = prompt
@@ -213,9 +216,15 @@ class _Run:
     """One pass over a Pydantic AI run: the journal as loaded, and what this pass adds."""
 
     def __init__(
-        self, session: Session, lease: Lease, idempotent: frozenset[str], journal: Indexed
+        self,
+        session: Session,
+        lease: Lease,
+        idempotent: frozenset[str],
+        trusted: frozenset[str],
+        journal: Indexed,
     ) -> None:
         self.session, self.lease, self.idempotent = session, lease, idempotent
+        self.trusted = trusted
         self.run_id, self.store, self.stats = session.run_id, session.store, session.stats
         self.journal = journal
         self.turns = 0  # model requests made or replayed so far: the next is m{turns + 1}
@@ -282,11 +291,24 @@ class _Run:
 
     # -- tool steps ----------------------------------------------------------------
 
+    def is_idempotent(self, name: str, tool: ToolsetTool[Any] | None) -> bool:
+        """Declared by the user, or by a trusted MCP server's annotations (docs/mcp.md)."""
+        if name in self.idempotent:
+            return True
+        metadata = tool.tool_def.metadata if tool is not None else None
+        if not isinstance(metadata, dict) or "annotations" not in metadata:
+            return False  # not an MCP tool
+        from ..mcp import treatment  # an MCP tool: the mcp extra is there
+
+        trusted = tool is not None and tool.toolset.id in self.trusted
+        return treatment(metadata["annotations"], trusted=trusted).idempotent
+
     async def tool_step(
         self,
         name: str,
         call_id: str | None,
         run: Callable[[], Awaitable[Any]],
+        tool: ToolsetTool[Any] | None = None,
     ) -> Any:
         step_id = self.tool_steps.get(call_id or "")
         if step_id is None:
@@ -297,7 +319,7 @@ class _Run:
             )
         state = step_state(self.journal, step_id)
         records = state.records
-        action = decide(records, idempotent=name in self.idempotent)
+        action = decide(records, idempotent=self.is_idempotent(name, tool))
         if action is Action.FEED_RESULT:
             self.stats.tool_calls_replayed += 1
             return _fed(Outcome.from_json(records[Phase.RESULT].payload))
@@ -511,4 +533,4 @@ class _JournaledToolset(WrapperToolset[Any]):
         async def run() -> Any:
             return await self.wrapped.call_tool(name, tool_args, ctx, tool)
 
-        return await self.run.tool_step(name, ctx.tool_call_id, run)
+        return await self.run.tool_step(name, ctx.tool_call_id, run, tool)
