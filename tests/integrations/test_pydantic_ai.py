@@ -398,3 +398,54 @@ def test_an_mcp_tool_killed_before_its_result_follows_the_mcp_table(
     assert resumed is not None
     assert resumed["ended"] == ended
     assert lookups(tmp_path) == runs
+
+
+# -- structured output and message history, as Pydantic AI documents them --------------------
+
+
+async def test_structured_output_is_handed_back_typed_by_a_closed_run(tmp_path: Path) -> None:
+    """``output_type`` a pydantic model: the run's output, and the closed run's, are one."""
+    import openai
+    from pydantic import BaseModel
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from asiento.integrations.pydantic_ai import durable_run
+
+    class Refund(BaseModel):
+        order: str
+        amount: int
+
+    # The fake answers turn N (assistant turns in the request): the history holds one.
+    script = (
+        Answer(text="unused"),
+        Answer(calls=(("final_result", {"order": "A1", "amount": 5}),)),
+    )
+    earlier = [
+        ModelRequest(parts=[UserPromptPart("hello")]),
+        ModelResponse(parts=[TextPart("hello, how can I help?")]),
+    ]
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    with FakeProvider(script) as provider:
+        async with openai.AsyncOpenAI(base_url=provider.openai_url, api_key="sk") as client:
+            model = OpenAIChatModel("gpt-test", provider=OpenAIProvider(openai_client=client))
+            agent = Agent(model, output_type=Refund)
+            try:
+                first = await durable_run(
+                    agent, "refund A1", run_id=RUN, store=store, message_history=earlier
+                )
+                again = await durable_run(
+                    agent, "refund A1", run_id=RUN, store=store, message_history=earlier
+                )
+            finally:
+                await store.close()
+        asked = json.dumps(provider.requests[0].body["messages"])
+    assert first.output == Refund(order="A1", amount=5)
+    assert again.replayed
+    assert again.output == first.output
+    assert isinstance(again.output, Refund)
+    assert "how can I help" in asked  # the history was sent as the framework sends it
+    assert [type(m).__name__ for m in again.messages] == [type(m).__name__ for m in first.messages]
+    assert provider.billed() == 1
