@@ -449,3 +449,18 @@ async def test_structured_output_is_handed_back_typed_by_a_closed_run(tmp_path: 
     assert "how can I help" in asked  # the history was sent as the framework sends it
     assert [type(m).__name__ for m in again.messages] == [type(m).__name__ for m in first.messages]
     assert provider.billed() == 1
+
+
+def test_the_overhead_bench_runs_and_counts_its_records(tmp_path: Path) -> None:
+    """bench/pydantic_ai_overhead.py --quick: both modes ran; six records per durable run
+    (its times are figures, not checks)."""
+    bench = Path(__file__).resolve().parents[2] / "bench" / "pydantic_ai_overhead.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, check=True,
+    )  # fmt: skip
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[1:3]}
+    assert rows["pydantic-ai"][1] == "20"
+    assert rows["asiento"][1:2] == ["20"]
+    assert rows["asiento"][3:] == ["3", "6"]
+    assert "overhead per step:" in done.stdout
