@@ -464,3 +464,37 @@ def test_the_overhead_bench_runs_and_counts_its_records(tmp_path: Path) -> None:
     assert rows["asiento"][1:2] == ["20"]
     assert rows["asiento"][3:] == ["3", "6"]
     assert "overhead per step:" in done.stdout
+
+
+# -- asiento's workers drive Pydantic AI runs -------------------------------------------------
+
+
+async def test_a_worker_drives_a_submitted_run_and_one_suspended_on_an_approval(
+    provider: FakeProvider, client: Any, tmp_path: Path
+) -> None:
+    """``App(agents={...: WorkerAgent(agent)})``: a submitted run is claimed and closed; a run
+    a worker left suspended is approved with the CLI and closed by the next claim."""
+    from asiento.gateways.scripted import ScriptedGateway
+    from asiento.integrations.pydantic_ai import WorkerAgent
+    from asiento.worker import App, Worker, submit
+
+    agent = _agent(client)
+    app = App(agents={"refunds": WorkerAgent(agent)}, gateway=ScriptedGateway([]), lease_ttl=5)
+    db = tmp_path / "runs.db"
+    store = SqliteCheckpointer(db)
+    try:
+        await submit(store, RUN, "refund A1", agent="refunds")
+        first = Worker(store, app, poll=0.05)
+        await first.run(until_idle=True, max_seconds=60)
+        assert (first.stats.claimed, first.stats.suspended) == (1, 1)
+        assert (await store.run(RUN)).status is RunStatus.SUSPENDED  # type: ignore[union-attr]
+        await asyncio.to_thread(
+            asiento_cli, "approve", RUN, "m1.t1", "--by", "ops", "--store", str(db)
+        )
+        second = Worker(store, app, poll=0.05)
+        await second.run(until_idle=True, max_seconds=60)
+        assert (second.stats.claimed, second.stats.closed) == (1, 1)
+        assert (await store.run(RUN)).status is RunStatus.CLOSED  # type: ignore[union-attr]
+    finally:
+        await store.close()
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}

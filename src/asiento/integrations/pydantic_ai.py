@@ -43,9 +43,9 @@ from .. import context, step_ids
 from .._canonical import canonical_json, fingerprint, key_header, model_key
 from .._crash import crash_point
 from ..errors import AsientoError, ReplayDivergence, UncertainEffect, UsageError
-from ..events import Decision, Lease, Phase, RunStatus, StepEvent
+from ..events import ApprovalStep, Decision, FinalStep, Lease, Phase, RunStatus, Step, StepEvent
 from ..journal.base import Checkpointer
-from ..model import ModelRequest
+from ..model import ModelRequest, ToolCall
 from ..payloads import (
     SUBMITTED,
     Approval,
@@ -66,7 +66,7 @@ from ._pydantic_ai_records import (
     tool_calls,
 )
 
-__all__ = ["DurableResult", "durable_run"]
+__all__ = ["DurableResult", "WorkerAgent", "durable_run"]
 
 _OUTPUT_KEY = "pydantic_ai_output"
 _MESSAGES_KEY = "pydantic_ai_messages"
@@ -123,22 +123,45 @@ async def durable_run(
     chosen = model if model is not None else agent.model
     if chosen is None:
         raise UsageError("durable_run(): the agent has no model; pass model=...")
-    safe, trusted = frozenset(idempotent), frozenset(trusted_mcp)
     session = Session(run_id, _FrameworkModel(), store, lease_ttl=lease_ttl, wait=wait, lease=lease)
+    options = _Options(chosen, frozenset(idempotent), frozenset(trusted_mcp), deps)
+    return await _drive(agent, prompt, session, options, message_history)
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """How a run of the agent is driven, beside the agent itself."""
+
+    model: Model | str
+    idempotent: frozenset[str]
+    trusted_mcp: frozenset[str]
+    deps: Any
+
+
+async def _drive(
+    agent: Agent[Any, Any],
+    prompt: str,
+    session: Session,
+    options: _Options,
+    message_history: Sequence[ModelMessage] | None = None,
+) -> DurableResult:
+    """One pass over the run under ``session``'s lease: replayed, then what is missing."""
+    store = session.store
     final = await store.final(session.run_id)
     if final is not None:
         await session.settle_closed()
         return _closed(agent, session, final)
     async with session.driving() as held:
-        run = _Run(session, held, safe, trusted, index(await store.load(session.run_id)))
-        wrapped = _JournaledModel(infer_model(chosen), run=run)
+        journal = index(await store.load(session.run_id))
+        run = _Run(session, held, options.idempotent, options.trusted_mcp, journal)
+        wrapped = _JournaledModel(infer_model(options.model), run=run)
         toolsets = [_JournaledToolset(t, run=run) for t in agent.toolsets]
         asked: str | None = prompt
         history, decided = message_history, None
         with agent.override(model=wrapped, toolsets=toolsets, tools=[]), _unwrapped():
             while True:  # each round ends at a deferral the journal has decisions for
                 result = await agent.run(
-                    asked, deps=deps, message_history=history, deferred_tool_results=decided
+                    asked, deps=options.deps, message_history=history, deferred_tool_results=decided
                 )
                 if not isinstance(result.output, DeferredToolRequests):
                     break
@@ -162,6 +185,57 @@ async def durable_run(
         replayed=False,
         stats=session.stats,
     )
+
+
+class WorkerAgent:
+    """A Pydantic AI agent as ``asiento worker`` drives it: ``App(agents={"refunds":
+    WorkerAgent(agent)})``; each claimed run is one ``durable_run`` pass under the claim.
+
+    The worker's process rebuilds the agent: the same instructions, tools, output type
+    and model settings as the process that started the run (else ``ReplayDivergence``).
+    The app's gateway is not used: the agent asks its own model.
+    """
+
+    def __init__(
+        self,
+        agent: Agent[Any, Any],
+        *,
+        idempotent: Iterable[str] = (),
+        trusted_mcp: Iterable[str] = (),
+        model: Model | str | None = None,
+        deps: Any = None,
+    ) -> None:
+        if not isinstance(agent, Agent):
+            raise UsageError(f"WorkerAgent() takes a pydantic_ai.Agent, got {agent!r}")
+        chosen = model if model is not None else agent.model
+        if chosen is None:
+            raise UsageError("WorkerAgent(): the agent has no model; pass model=...")
+        self.agent = agent
+        self.options = _Options(chosen, frozenset(idempotent), frozenset(trusted_mcp), deps)
+
+    async def run(self, task: str, *, session: Session) -> AsyncIterator[Step]:
+        """The pass's end as the worker counts it: a ``FinalStep``, or an ``ApprovalStep``
+        for each step that waits for a person."""
+        result = await _drive(self.agent, task, session, self.options)
+        for step_id in result.awaiting:
+            intent = next(
+                Intent.from_json(e.payload)
+                for e in await session.store.load_step(session.run_id, step_id)
+                if e.phase is Phase.INTENT
+            )
+            yield ApprovalStep(
+                run_id=session.run_id,
+                step_id=step_id,
+                call=ToolCall(name=intent.tool, arguments=intent.args),
+                fingerprint=intent.fp,
+            )
+        if not result.awaiting:
+            yield FinalStep(
+                run_id=session.run_id,
+                step_id=step_ids.FINAL,
+                text=_shown(result.output),
+                replayed=result.replayed,
+            )
 
 
 def _closed(agent: Agent[Any, Any], session: Session, final: StepEvent) -> DurableResult:
