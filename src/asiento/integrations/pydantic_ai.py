@@ -24,7 +24,7 @@ this cannot make durable.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,7 +261,7 @@ def _closed(agent: Agent[Any, Any], session: Session, final: StepEvent) -> Durab
 
 
 @contextlib.contextmanager
-def _unwrapped() -> Any:
+def _unwrapped() -> Iterator[None]:
     """An asiento error raised inside the agent's task group comes out as itself."""
     try:
         yield
@@ -409,12 +409,14 @@ class _Run:
             )
             return denial.text()
         if action is Action.UNCERTAIN:
-            await self.store.set_status(
+            if not await self.store.set_status(
                 self.run_id,
                 RunStatus.UNCERTAIN,
                 lease=self.lease,
                 waits_for=(state.current_id, Phase.RESOLUTION),
-            )
+            ):  # a person resolved it after this pass read the journal: read it again
+                self.journal = index(await self.store.load(self.run_id))
+                return await self.tool_step(name, call_id, run, tool)
             raise UncertainEffect(
                 self.run_id,
                 state.current_id,
@@ -433,9 +435,12 @@ class _Run:
             events.append(self.event(step_id, Phase.INTENT, intent.to_json(), Decision.ALLOW))
         attempt_id = state.next_id
         events.append(self.event(attempt_id, Phase.SUBMITTED, SUBMITTED))
-        crash_point("before_intent")
+        starting = action is Action.START
+        if starting:
+            crash_point("before_intent")
         await self.append(*events)
-        crash_point("after_intent")
+        if starting:
+            crash_point("after_intent")
         crash_point("after_submitted")
         return await self._execute(step_id, attempt_id, name, run)
 
