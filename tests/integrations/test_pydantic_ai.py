@@ -363,6 +363,7 @@ async def test_other_tools_on_resume_are_a_divergence(
         with pytest.raises(ReplayDivergence) as caught:
             await durable_run(changed, "refund A1", run_id=RUN, store=store)
         assert caught.value.step_id == "m1"
+        assert "new: 'lookup'" in str(caught.value)
         assert provider.billed() == 1
     finally:
         await store.close()

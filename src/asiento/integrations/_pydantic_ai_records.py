@@ -56,9 +56,19 @@ def _stable(value: Any) -> Any:
     return value
 
 
-def model_payload(fp: str, response: FrameworkResponse) -> dict[str, Any]:
+def tool_digests(parameters: ModelRequestParameters) -> dict[str, str]:
+    """Each tool the model is offered, by name, and a digest of its definition: what m1
+    records, so a resumed run can say which tools changed (``replay.tool_drift``)."""
+    dumped = _PARAMETERS.dump_python(parameters, mode="json")
+    tools = [*dumped.get("function_tools", []), *dumped.get("output_tools", [])]
+    return {str(t.get("name")): fingerprint(_stable(t))[:16] for t in tools}
+
+
+def model_payload(
+    fp: str, response: FrameworkResponse, tools: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """The record of a model step: asiento's view of the answer, and the framework's."""
-    result = ModelResult(fp=fp, response=_asiento_view(response))
+    result = ModelResult(fp=fp, response=_asiento_view(response), tools=tools)
     dumped = ModelMessagesTypeAdapter.dump_python([response], mode="json")[0]
     return result.to_json() | {FRAMEWORK_KEY: dumped}
 

@@ -55,7 +55,7 @@ from ..payloads import (
     Outcome,
     Resolution,
 )
-from ..replay import Action, Indexed, decide, index, step_state
+from ..replay import Action, Indexed, decide, index, step_state, tool_drift
 from ..session import RunStats, Session
 from ._pydantic_ai_records import (
     dump_messages,
@@ -64,6 +64,7 @@ from ._pydantic_ai_records import (
     recorded_response,
     request_fingerprint,
     tool_calls,
+    tool_digests,
 )
 
 __all__ = ["DurableResult", "WorkerAgent", "durable_run"]
@@ -331,7 +332,7 @@ class _Run:
         fp = request_fingerprint(messages, settings, parameters)[:32]
         recorded = self.journal.get(step_id, {}).get(Phase.RESULT)
         if recorded is not None:
-            response = self._replayed(step_id, fp, recorded)
+            response = self._replayed(step_id, fp, recorded, parameters)
         else:
             key = model_key(self.run_id, step_id, fp)
             keyed: dict[str, Any] = dict(settings or {})
@@ -341,21 +342,29 @@ class _Run:
             self.stats.model_calls += 1
             self.stats.input_tokens += response.usage.input_tokens
             self.stats.output_tokens += response.usage.output_tokens
-            await self.append(self.event(step_id, Phase.RESULT, model_payload(fp, response)))
+            tools = tool_digests(parameters) if step_id == step_ids.model(1) else None
+            payload = model_payload(fp, response, tools)
+            await self.append(self.event(step_id, Phase.RESULT, payload))
             crash_point("after_model_result")
         for number, (call_id, args) in enumerate(tool_calls(response), 1):
             self.tool_steps[call_id] = step_ids.tool(step_id, number)
             self.tool_args[call_id] = args
         return response
 
-    def _replayed(self, step_id: str, fp: str, recorded: StepEvent) -> FrameworkResponse:
+    def _replayed(
+        self, step_id: str, fp: str, recorded: StepEvent, parameters: ModelRequestParameters
+    ) -> FrameworkResponse:
         result = ModelResult.from_json(recorded.payload)
         if result.fp != fp:
+            drift = None
+            if result.tools is not None:
+                drift = tool_drift(result.tools, tool_digests(parameters))
             raise ReplayDivergence(
                 self.run_id,
                 step_id,
-                f"the recorded request has fingerprint {result.fp[:12]}…, the resumed agent "
-                f"would send {fp[:12]}… (its instructions, tools, settings or history changed)",
+                drift
+                or f"the recorded request has fingerprint {result.fp[:12]}…, the resumed agent "
+                f"would send {fp[:12]}… (its instructions, settings or history changed)",
             )
         response = recorded_response(recorded.payload, f"run {self.run_id!r} step {step_id!r}")
         self.stats.model_calls_replayed += 1
