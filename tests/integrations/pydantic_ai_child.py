@@ -21,7 +21,7 @@ from typing import Any
 
 
 async def _pass(args: argparse.Namespace) -> dict[str, Any]:
-    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai import Agent, DeferredToolRequests, ModelRetry
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
@@ -44,7 +44,11 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
     @agent.tool_plain(requires_approval=args.approval)
     def refund(order: str) -> str:
         """Refund an order."""
-        with Path(args.effects).open("a") as f:
+        log = Path(args.effects)
+        if args.retry_once and not log.exists():  # the first call asks the model again
+            log.write_text("retried\n")
+            raise ModelRetry("the refund service is busy; ask again")
+        with log.open("a") as f:
             f.write(order + "\n")
         return f"refunded {order}"
 
@@ -92,6 +96,7 @@ def main() -> None:
     parser.add_argument("--approval", action="store_true", help="refund requires approval")
     parser.add_argument("--mcp", help="an MCP server script (stdio) whose tools the agent has")
     parser.add_argument("--trusted", action="store_true", help="trust its annotations")
+    parser.add_argument("--retry-once", action="store_true", help="refund raises ModelRetry once")
     outcome = asyncio.run(_pass(parser.parse_args()))
     sys.stdout.write(json.dumps(outcome) + "\n")
 

@@ -499,3 +499,28 @@ async def test_a_worker_drives_a_submitted_run_and_one_suspended_on_an_approval(
     finally:
         await store.close()
     assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+
+
+RETRIED = (
+    Answer(calls=(("refund", {"order": "A1"}),)),
+    Answer(calls=(("refund", {"order": "A1"}),)),
+    Answer(text="refunded A1"),
+)
+
+
+def test_a_model_retry_is_recorded_and_replayed_as_one(tmp_path: Path) -> None:
+    """The tool's ModelRetry is m1.t1's recorded outcome: the resume replays it (the retry
+    prompt is the same, so m2 is replayed too), and the refund happened once."""
+    with FakeProvider(RETRIED) as provider:
+        url = provider.openai_url
+        assert run_pass(tmp_path, url, "--retry-once", crash_at="after_result") is None
+        assert effects(tmp_path) == ["retried", "A1"]
+        resumed = run_pass(tmp_path, url, "--retry-once")
+        assert resumed is not None
+        assert (resumed["ended"], resumed["replayed"], resumed["tools_replayed"]) == (
+            "closed",
+            2,
+            2,
+        )
+        assert billed_per_step(provider) == {"m1": 1, "m2": 1, "m3": 1}
+    assert effects(tmp_path) == ["retried", "A1"]
