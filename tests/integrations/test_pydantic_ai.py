@@ -524,3 +524,32 @@ def test_a_model_retry_is_recorded_and_replayed_as_one(tmp_path: Path) -> None:
         )
         assert billed_per_step(provider) == {"m1": 1, "m2": 1, "m3": 1}
     assert effects(tmp_path) == ["retried", "A1"]
+
+
+async def test_an_abandoned_run_does_nothing_when_resumed(
+    provider: FakeProvider, client: Any, tmp_path: Path
+) -> None:
+    """``asiento abandon`` on a suspended Pydantic AI run: resuming it runs nothing."""
+    from asiento.integrations.pydantic_ai import durable_run
+
+    db = tmp_path / "runs.db"
+    store = SqliteCheckpointer(db)
+    try:
+        first = await durable_run(_agent(client), "refund A1", run_id=RUN, store=store)
+        assert first.awaiting == ("m1.t1",)
+        await asyncio.to_thread(
+            asiento_cli,
+            "abandon",
+            RUN,
+            "--by",
+            "ops",
+            "--reason",
+            "wrong order",
+            "--store",
+            str(db),
+        )
+        resumed = await durable_run(_agent(client), "refund A1", run_id=RUN, store=store)
+    finally:
+        await store.close()
+    assert (resumed.abandoned, resumed.replayed, resumed.output) == (True, True, None)
+    assert provider.billed() == 1

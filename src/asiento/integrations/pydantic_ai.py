@@ -82,7 +82,8 @@ class DurableResult:
     already and nothing ran; ``stats`` counts what this call paid and what the journal
     saved it from paying again. ``awaiting`` names the tool steps that wait for a
     person's approval (``asiento approve`` / ``deny``): the run is suspended there, its
-    ``output`` is None, and the next call after the decisions goes on.
+    ``output`` is None, and the next call after the decisions goes on. ``abandoned``: a
+    person closed the run (``asiento abandon``); nothing runs and ``output`` is None.
     """
 
     run_id: str
@@ -91,6 +92,7 @@ class DurableResult:
     replayed: bool
     stats: RunStats
     awaiting: tuple[str, ...] = ()
+    abandoned: bool = False
 
 
 async def durable_run(
@@ -236,6 +238,7 @@ class WorkerAgent:
                 step_id=step_ids.FINAL,
                 text=_shown(result.output),
                 replayed=result.replayed,
+                abandoned=result.abandoned,
             )
 
 
@@ -243,7 +246,16 @@ def _closed(agent: Agent[Any, Any], session: Session, final: StepEvent) -> Durab
     """A closed run answers with what it recorded, and nothing runs."""
     payload = final.payload
     closed = Final.from_json(payload)
-    if closed.abandoned or _OUTPUT_KEY not in payload:
+    if closed.abandoned:
+        return DurableResult(
+            run_id=session.run_id,
+            output=None,
+            messages=[],
+            replayed=True,
+            stats=session.stats,
+            abandoned=True,
+        )
+    if _OUTPUT_KEY not in payload:
         raise UsageError(
             f"run {session.run_id!r} is closed without a Pydantic AI output "
             f"({closed.text!r}); it has nothing to hand back"
