@@ -553,3 +553,36 @@ async def test_an_abandoned_run_does_nothing_when_resumed(
         await store.close()
     assert (resumed.abandoned, resumed.replayed, resumed.output) == (True, True, None)
     assert provider.billed() == 1
+
+
+async def test_a_run_abandoned_while_its_tool_runs_stops_with_run_abandoned(
+    provider: FakeProvider, client: Any, tmp_path: Path
+) -> None:
+    """A person abandons the run while its tool runs: the pass cannot record the result
+    and stops with RunAbandoned; resuming it runs nothing."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from asiento import RunAbandoned
+    from asiento.integrations.pydantic_ai import durable_run
+
+    db = tmp_path / "runs.db"
+    model = OpenAIChatModel("gpt-test", provider=OpenAIProvider(openai_client=client))
+    agent = Agent(model)
+
+    @agent.tool_plain
+    def refund(order: str) -> str:
+        """Refund an order (a person abandons the run meanwhile)."""
+        asiento_cli("abandon", RUN, "--by", "ops", "--reason", "stop", "--store", str(db))
+        return f"refunded {order}"
+
+    store = SqliteCheckpointer(db)
+    try:
+        with pytest.raises(RunAbandoned):
+            await durable_run(agent, "refund A1", run_id=RUN, store=store)
+        resumed = await durable_run(agent, "refund A1", run_id=RUN, store=store)
+    finally:
+        await store.close()
+    assert resumed.abandoned
+    assert provider.billed() == 1

@@ -42,7 +42,14 @@ from pydantic_core import to_jsonable_python
 from .. import context, step_ids
 from .._canonical import canonical_json, fingerprint, key_header, model_key
 from .._crash import crash_point
-from ..errors import AsientoError, ReplayDivergence, UncertainEffect, UsageError
+from ..errors import (
+    AsientoError,
+    LeaseLost,
+    ReplayDivergence,
+    RunAbandoned,
+    UncertainEffect,
+    UsageError,
+)
 from ..events import ApprovalStep, Decision, FinalStep, Lease, Phase, RunStatus, Step, StepEvent
 from ..journal.base import Checkpointer
 from ..model import ModelRequest, ToolCall
@@ -154,33 +161,42 @@ async def _drive(
     if final is not None:
         await session.settle_closed()
         return _closed(agent, session, final)
-    async with session.driving() as held:
-        journal = index(await store.load(session.run_id))
-        run = _Run(session, held, options.idempotent, options.trusted_mcp, journal)
-        wrapped = _JournaledModel(infer_model(options.model), run=run)
-        toolsets = [_JournaledToolset(t, run=run) for t in agent.toolsets]
-        asked: str | None = prompt
-        history, decided = message_history, None
-        with agent.override(model=wrapped, toolsets=toolsets, tools=[]), _unwrapped():
-            while True:  # each round ends at a deferral the journal has decisions for
-                result = await agent.run(
-                    asked, deps=options.deps, message_history=history, deferred_tool_results=decided
-                )
-                if not isinstance(result.output, DeferredToolRequests):
-                    break
-                decided, awaiting = await run.decisions(result.output)
-                if decided is None:
-                    return DurableResult(
-                        run_id=session.run_id,
-                        output=None,
-                        messages=result.all_messages(),
-                        replayed=False,
-                        stats=session.stats,
-                        awaiting=awaiting,
+    try:
+        async with session.driving() as held:
+            journal = index(await store.load(session.run_id))
+            run = _Run(session, held, options.idempotent, options.trusted_mcp, journal)
+            wrapped = _JournaledModel(infer_model(options.model), run=run)
+            toolsets = [_JournaledToolset(t, run=run) for t in agent.toolsets]
+            asked: str | None = prompt
+            history, decided = message_history, None
+            with agent.override(model=wrapped, toolsets=toolsets, tools=[]), _unwrapped():
+                while True:  # each round ends at a deferral the journal has decisions for
+                    result = await agent.run(
+                        asked,
+                        deps=options.deps,
+                        message_history=history,
+                        deferred_tool_results=decided,
                     )
-                asked, history = None, result.all_messages()
-        messages = result.all_messages()
-        await run.close(result.output, messages)
+                    if not isinstance(result.output, DeferredToolRequests):
+                        break
+                    decided, awaiting = await run.decisions(result.output)
+                    if decided is None:
+                        return DurableResult(
+                            run_id=session.run_id,
+                            output=None,
+                            messages=result.all_messages(),
+                            replayed=False,
+                            stats=session.stats,
+                            awaiting=awaiting,
+                        )
+                    asked, history = None, result.all_messages()
+            messages = result.all_messages()
+            await run.close(result.output, messages)
+    except LeaseLost as exc:
+        abandoned = await _abandonment(session)
+        if abandoned is None:
+            raise
+        raise abandoned from exc
     return DurableResult(
         run_id=session.run_id,
         output=result.output,
@@ -188,6 +204,19 @@ async def _drive(
         replayed=False,
         stats=session.stats,
     )
+
+
+async def _abandonment(session: Session) -> RunAbandoned | None:
+    """The error for a lease lost to a person who abandoned the run, if that is what
+    happened (abandoning takes the run's fence)."""
+    try:
+        final = await session.store.final(session.run_id)
+    except AsientoError:
+        return None
+    closed = None if final is None else Final.from_json(final.payload)
+    if closed is None or not closed.abandoned:
+        return None
+    return RunAbandoned(session.run_id, closed.text or "abandoned")
 
 
 class WorkerAgent:
