@@ -586,3 +586,40 @@ async def test_a_run_abandoned_while_its_tool_runs_stops_with_run_abandoned(
         await store.close()
     assert resumed.abandoned
     assert provider.billed() == 1
+
+
+async def test_a_requested_shutdown_stops_between_steps_and_the_run_resumes(
+    provider: FakeProvider, client: Any, tmp_path: Path
+) -> None:
+    """``asiento.shutdown.request()`` (a worker's SIGTERM) while the tool runs: the pass
+    records its result and stops before m2; the next pass finishes from the journal."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from asiento import shutdown
+    from asiento.integrations.pydantic_ai import durable_run
+
+    model = OpenAIChatModel("gpt-test", provider=OpenAIProvider(openai_client=client))
+    agent = Agent(model)
+    ran: list[str] = []
+
+    @agent.tool_plain
+    def refund(order: str) -> str:
+        """Refund an order (a shutdown is requested meanwhile)."""
+        ran.append(order)
+        shutdown.request()
+        return f"refunded {order}"
+
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        with pytest.raises(shutdown.ShutdownRequested, match="before m2"):
+            await durable_run(agent, "refund A1", run_id=RUN, store=store)
+        shutdown.reset()
+        resumed = await durable_run(agent, "refund A1", run_id=RUN, store=store)
+    finally:
+        shutdown.reset()
+        await store.close()
+    assert resumed.output == "refunded A1"
+    assert (resumed.stats.tool_calls_replayed, ran) == (1, ["A1"])
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}

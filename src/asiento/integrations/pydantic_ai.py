@@ -39,7 +39,7 @@ from pydantic_ai.settings import ModelSettings
 from pydantic_ai.toolsets import ToolsetTool, WrapperToolset
 from pydantic_core import to_jsonable_python
 
-from .. import context, step_ids
+from .. import context, shutdown, step_ids
 from .._canonical import canonical_json, fingerprint, key_header, model_key
 from .._crash import crash_point
 from ..errors import (
@@ -359,6 +359,15 @@ class _Run:
             run_id=self.run_id, step_id=step_id, phase=phase, payload=payload, decision=decision
         )
 
+    def boundary(self, step_id: str) -> None:
+        """Before a step: stop here if a shutdown was requested (every record is durable:
+        this integration writes each one before it goes on)."""
+        if shutdown.requested():
+            raise shutdown.ShutdownRequested(
+                f"run {self.run_id!r} stopped before {step_id} because a shutdown was "
+                "requested; every finished step is recorded and the run is resumable"
+            )
+
     # -- model steps ---------------------------------------------------------------
 
     async def model_step(
@@ -370,6 +379,7 @@ class _Run:
     ) -> FrameworkResponse:
         self.turns += 1
         step_id = step_ids.model(self.turns)
+        self.boundary(step_id)
         fp = request_fingerprint(messages, settings, parameters)[:32]
         recorded = self.journal.get(step_id, {}).get(Phase.RESULT)
         if recorded is not None:
@@ -441,6 +451,7 @@ class _Run:
                 "outside any model answer this run recorded; asiento cannot journal it, and "
                 "running it unjournaled would repeat it after a crash"
             )
+        self.boundary(step_id)
         state = step_state(self.journal, step_id)
         records = state.records
         action = decide(records, idempotent=self.is_idempotent(name, tool))
