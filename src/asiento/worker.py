@@ -11,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from . import shutdown
 from .agent import Agent
 from .errors import LeaseLost, RunAbandoned, RunClosed, UncertainEffect, UsageError
-from .events import ApprovalStep, Claim, FinalStep, RunStatus
+from .events import ApprovalStep, Claim, FinalStep, RunStatus, Step
 from .journal.base import Checkpointer
 from .lease import Holder
 from .model import Gateway
@@ -40,11 +40,18 @@ async def submit(store: Checkpointer, run_id: str, task: str, *, agent: str = "d
     await store.submit(run_id, task, agent=agent)
 
 
+class Drivable(Protocol):
+    """What a worker drives: an ``Agent``, or a framework's agent wrapped for asiento
+    (``asiento.integrations.pydantic_ai.WorkerAgent``)."""
+
+    def run(self, task: str, *, session: Session) -> AsyncIterator[Step]: ...
+
+
 @dataclass(slots=True)
 class App:
     """What a worker needs: the agents by name, and how to reach the model."""
 
-    agents: Mapping[str, Agent]
+    agents: Mapping[str, Agent | Drivable]
     gateway: Gateway | Callable[[], Gateway]
     lease_ttl: float = 30.0
     max_attempts: int = 5
@@ -244,7 +251,7 @@ class Worker:
         except Exception as exc:
             await self._failed(run_id, exc)
 
-    async def _pass(self, agent: Agent, task: str, session: Session) -> RunStatus:
+    async def _pass(self, agent: Agent | Drivable, task: str, session: Session) -> RunStatus:
         """How the pass left the run: closed, suspended, or still running (it stopped)."""
         status = RunStatus.RUNNING
         async for step in agent.run(task, session=session):

@@ -1,0 +1,1 @@
+"""asiento's guarantees for agents written with a framework (Pydantic AI, OpenAI Agents SDK)."""

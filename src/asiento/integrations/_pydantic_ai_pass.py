@@ -1,0 +1,338 @@
+"""One pass over a Pydantic AI run: its model requests and tool calls through the journal.
+
+``Pass`` is what the wrapped model and toolsets of ``pydantic_ai.py`` call: model
+request n is ``m{n}`` (replayed, or asked with its key and recorded), tool call k of
+its answer is ``m{n}.t{k}`` (intent and submitted first, then ``replay.decide``), and
+Pydantic AI's deferred approvals are asiento approvals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from pydantic_ai import DeferredToolRequests, DeferredToolResults, ToolDenied
+from pydantic_ai.exceptions import ApprovalRequired, CallDeferred, ModelRetry
+from pydantic_ai.messages import ModelMessage
+from pydantic_ai.messages import ModelResponse as FrameworkResponse
+from pydantic_ai.models import ModelRequestParameters
+from pydantic_ai.settings import ModelSettings
+from pydantic_ai.toolsets import ToolsetTool
+from pydantic_core import to_jsonable_python
+
+from .. import context, shutdown, step_ids
+from .._canonical import canonical_json, fingerprint, key_header, model_key
+from .._crash import crash_point
+from ..errors import ReplayDivergence, UncertainEffect, UsageError
+from ..events import Decision, Lease, Phase, RunStatus, StepEvent
+from ..payloads import SUBMITTED, Approval, Final, Intent, ModelResult, Outcome, Resolution
+from ..replay import Action, Indexed, decide, index, step_state, tool_drift
+from ..session import Session
+from ._pydantic_ai_records import (
+    dump_messages,
+    model_payload,
+    recorded_response,
+    request_fingerprint,
+    tool_calls,
+    tool_digests,
+)
+
+OUTPUT_KEY = "pydantic_ai_output"
+MESSAGES_KEY = "pydantic_ai_messages"
+
+
+class Pass:
+    """One pass over a Pydantic AI run: the journal as loaded, and what this pass adds."""
+
+    def __init__(
+        self,
+        session: Session,
+        lease: Lease,
+        idempotent: frozenset[str],
+        trusted: frozenset[str],
+        journal: Indexed,
+    ) -> None:
+        self.session, self.lease, self.idempotent = session, lease, idempotent
+        self.trusted = trusted
+        self.run_id, self.store, self.stats = session.run_id, session.store, session.stats
+        self.journal = journal
+        self.turns = 0  # model requests made or replayed so far: the next is m{turns + 1}
+        self.tool_steps: dict[str, str] = {}  # tool call id -> its step id
+        self.tool_args: dict[str, dict[str, Any]] = {}  # tool call id -> the model's arguments
+
+    async def append(self, *events: StepEvent, status: RunStatus | None = None) -> None:
+        await self.store.append(*events, status=status, lease=self.lease)
+        for event in events:
+            self.journal.setdefault(event.step_id, {})[event.phase] = event
+
+    def event(
+        self, step_id: str, phase: Phase, payload: Any, decision: Decision | None = None
+    ) -> StepEvent:
+        return StepEvent(
+            run_id=self.run_id, step_id=step_id, phase=phase, payload=payload, decision=decision
+        )
+
+    def boundary(self, step_id: str) -> None:
+        """Before a step: stop here if a shutdown was requested (every record is durable:
+        this integration writes each one before it goes on)."""
+        if shutdown.requested():
+            raise shutdown.ShutdownRequested(
+                f"run {self.run_id!r} stopped before {step_id} because a shutdown was "
+                "requested; every finished step is recorded and the run is resumable"
+            )
+
+    # -- model steps ---------------------------------------------------------------
+
+    async def model_step(
+        self,
+        messages: list[ModelMessage],
+        settings: ModelSettings | None,
+        parameters: ModelRequestParameters,
+        ask: Callable[[ModelSettings], Awaitable[FrameworkResponse]],
+    ) -> FrameworkResponse:
+        self.turns += 1
+        step_id = step_ids.model(self.turns)
+        self.boundary(step_id)
+        fp = request_fingerprint(messages, settings, parameters)[:32]
+        recorded = self.journal.get(step_id, {}).get(Phase.RESULT)
+        if recorded is not None:
+            response = self._replayed(step_id, fp, recorded, parameters)
+        else:
+            key = model_key(self.run_id, step_id, fp)
+            keyed: dict[str, Any] = dict(settings or {})
+            keyed["extra_headers"] = dict(keyed.get("extra_headers") or {}) | key_header(key)
+            response = await ask(ModelSettings(**keyed))  # type: ignore[typeddict-item]
+            crash_point("inside_model_call")
+            self.stats.model_calls += 1
+            self.stats.input_tokens += response.usage.input_tokens
+            self.stats.output_tokens += response.usage.output_tokens
+            tools = tool_digests(parameters) if step_id == step_ids.model(1) else None
+            payload = model_payload(fp, response, tools)
+            await self.append(self.event(step_id, Phase.RESULT, payload))
+            crash_point("after_model_result")
+        for number, (call_id, args) in enumerate(tool_calls(response), 1):
+            self.tool_steps[call_id] = step_ids.tool(step_id, number)
+            self.tool_args[call_id] = args
+        return response
+
+    def _replayed(
+        self, step_id: str, fp: str, recorded: StepEvent, parameters: ModelRequestParameters
+    ) -> FrameworkResponse:
+        result = ModelResult.from_json(recorded.payload)
+        if result.fp != fp:
+            drift = None
+            if result.tools is not None:
+                drift = tool_drift(result.tools, tool_digests(parameters))
+            raise ReplayDivergence(
+                self.run_id,
+                step_id,
+                drift
+                or f"the recorded request has fingerprint {result.fp[:12]}…, the resumed agent "
+                f"would send {fp[:12]}… (its instructions, settings or history changed)",
+            )
+        response = recorded_response(recorded.payload, f"run {self.run_id!r} step {step_id!r}")
+        self.stats.model_calls_replayed += 1
+        self.stats.input_tokens_saved += result.response.usage.input_tokens
+        self.stats.output_tokens_saved += result.response.usage.output_tokens
+        return response
+
+    # -- tool steps ----------------------------------------------------------------
+
+    def is_idempotent(self, name: str, tool: ToolsetTool[Any] | None) -> bool:
+        """Declared by the user, or by a trusted MCP server's annotations (docs/mcp.md)."""
+        if name in self.idempotent:
+            return True
+        metadata = tool.tool_def.metadata if tool is not None else None
+        if not isinstance(metadata, dict) or "annotations" not in metadata:
+            return False  # not an MCP tool
+        from ..mcp import treatment  # an MCP tool: the mcp extra is there
+
+        trusted = tool is not None and tool.toolset.id in self.trusted
+        return treatment(metadata["annotations"], trusted=trusted).idempotent
+
+    async def tool_step(
+        self,
+        name: str,
+        call_id: str | None,
+        run: Callable[[], Awaitable[Any]],
+        tool: ToolsetTool[Any] | None = None,
+    ) -> Any:
+        step_id = self.tool_steps.get(call_id or "")
+        if step_id is None:
+            raise UsageError(
+                f"run {self.run_id!r}: Pydantic AI called tool {name!r} (call id {call_id!r}) "
+                "outside any model answer this run recorded; asiento cannot journal it, and "
+                "running it unjournaled would repeat it after a crash"
+            )
+        self.boundary(step_id)
+        state = step_state(self.journal, step_id)
+        records = state.records
+        action = decide(records, idempotent=self.is_idempotent(name, tool))
+        if action is Action.FEED_RESULT:
+            self.stats.tool_calls_replayed += 1
+            return _fed(Outcome.from_json(records[Phase.RESULT].payload))
+        if action is Action.FEED_RESOLUTION:
+            self.stats.tool_calls_replayed += 1
+            return _fed(Resolution.from_json(records[Phase.RESOLUTION].payload).as_outcome())
+        if action is Action.FEED_DENIAL:
+            approval = records.get(Phase.APPROVAL)
+            denial = (
+                Approval.from_json(approval.payload).as_outcome()
+                if approval is not None
+                else Outcome.denied("policy", "denied by policy")
+            )
+            return denial.text()
+        if action is Action.UNCERTAIN:
+            if not await self.store.set_status(
+                self.run_id,
+                RunStatus.UNCERTAIN,
+                lease=self.lease,
+                waits_for=(state.current_id, Phase.RESOLUTION),
+            ):  # a person resolved it after this pass read the journal: read it again
+                self.journal = index(await self.store.load(self.run_id))
+                return await self.tool_step(name, call_id, run, tool)
+            raise UncertainEffect(
+                self.run_id,
+                state.current_id,
+                name,
+                "it was submitted and no outcome was recorded; it is not declared idempotent "
+                "(durable_run(idempotent=...))",
+            )
+        if action is Action.AWAIT_APPROVAL:  # never written by this integration
+            raise UsageError(
+                f"run {self.run_id!r} step {step_id!r} waits for an approval; the Pydantic AI "
+                "integration does not map approvals yet"
+            )
+        events: list[StepEvent] = []
+        if action is Action.START:
+            intent = self._intent(name, call_id or "")
+            events.append(self.event(step_id, Phase.INTENT, intent.to_json(), Decision.ALLOW))
+        attempt_id = state.next_id
+        events.append(self.event(attempt_id, Phase.SUBMITTED, SUBMITTED))
+        starting = action is Action.START
+        if starting:
+            crash_point("before_intent")
+        await self.append(*events)
+        if starting:
+            crash_point("after_intent")
+        crash_point("after_submitted")
+        return await self._execute(step_id, attempt_id, name, run)
+
+    def _intent(self, name: str, call_id: str) -> Intent:
+        """The call frozen as the recorded answer asked for it: what a person approves."""
+        frozen = to_jsonable_python(self.tool_args.get(call_id, {}))
+        return Intent(tool=name, args=frozen, fp=fingerprint(frozen)[:32])
+
+    async def decisions(
+        self, requests: DeferredToolRequests
+    ) -> tuple[DeferredToolResults | None, tuple[str, ...]]:
+        """Pydantic AI deferred calls for approval: each is an asiento step awaiting one.
+
+        New ones get their intent (``require_approval``, bound to the arguments'
+        fingerprint) and the run is suspended on the first undecided step. When every
+        one is decided, the decisions as Pydantic AI's ``DeferredToolResults``; the
+        approved calls then run through ``tool_step``, which checks the approval again.
+        """
+        if requests.calls:
+            names = ", ".join(c.tool_name for c in requests.calls)
+            raise UsageError(
+                f"run {self.run_id!r}: the agent deferred external tool calls ({names}); the "
+                "Pydantic AI integration journals approvals, not calls answered outside the "
+                "run, which it could not make exactly-once"
+            )
+        new: list[StepEvent] = []
+        results = DeferredToolResults()
+        awaiting: list[str] = []
+        for call in requests.approvals:
+            step_id = self.tool_steps.get(call.tool_call_id)
+            if step_id is None:
+                raise UsageError(
+                    f"run {self.run_id!r}: tool call {call.tool_call_id!r} awaits approval but "
+                    "no recorded answer holds it"
+                )
+            records = step_state(self.journal, step_id).records
+            if Phase.INTENT not in records:
+                intent = self._intent(call.tool_name, call.tool_call_id)
+                event = self.event(
+                    step_id, Phase.INTENT, intent.to_json(), Decision.REQUIRE_APPROVAL
+                )
+                new.append(event)
+                records = {Phase.INTENT: event}
+            action = decide(records, idempotent=call.tool_name in self.idempotent)
+            if action is Action.AWAIT_APPROVAL:
+                awaiting.append(step_id)
+            elif action is Action.FEED_DENIAL:
+                denial = Approval.from_json(records[Phase.APPROVAL].payload).as_outcome()
+                results.approvals[call.tool_call_id] = ToolDenied(denial.text())
+            else:
+                results.approvals[call.tool_call_id] = True
+        if new:
+            await self.append(*new, status=RunStatus.SUSPENDED if awaiting else None)
+        if not awaiting:
+            return results, ()
+        if not new and not await self.store.set_status(
+            self.run_id,
+            RunStatus.SUSPENDED,
+            lease=self.lease,
+            waits_for=(awaiting[0], Phase.APPROVAL),
+        ):
+            # A person decided after this pass read the journal: read it again. Each
+            # round follows a new decision, so there are at most as many as steps.
+            self.journal = index(await self.store.load(self.run_id))
+            return await self.decisions(requests)
+        return None, tuple(awaiting)
+
+    async def _execute(
+        self, step_id: str, attempt_id: str, name: str, run: Callable[[], Awaitable[Any]]
+    ) -> Any:
+        where = context.StepContext(
+            run_id=self.run_id, step_id=step_id, attempt_id=attempt_id, tool=name
+        )
+        token = context.enter(where)
+        try:
+            value = await run()
+        except ModelRetry as exc:  # the tool knows it did nothing: the model is asked again
+            await self.append(self.event(attempt_id, Phase.RESULT, _retry(exc).to_json()))
+            raise
+        except (ApprovalRequired, CallDeferred) as exc:
+            unsent = Resolution(
+                happened=False, by="asiento", reason=f"the tool deferred itself: {exc!r}"[:500]
+            )
+            await self.append(self.event(attempt_id, Phase.RESOLUTION, unsent.to_json()))
+            raise
+        finally:
+            context.leave(token)
+        self.stats.tool_calls += 1
+        crash_point("after_tool")
+        outcome = Outcome.ok(to_jsonable_python(value))
+        await self.append(self.event(attempt_id, Phase.RESULT, outcome.to_json()))
+        crash_point("after_result")
+        return value
+
+    async def close(self, output: Any, messages: Sequence[ModelMessage]) -> None:
+        final = Final(step=step_ids.model(self.turns), text=shown(output)).to_json() | {
+            OUTPUT_KEY: to_jsonable_python(output),
+            MESSAGES_KEY: dump_messages(messages),
+        }
+        await self.append(self.event(step_ids.FINAL, Phase.RESULT, final), status=RunStatus.CLOSED)
+
+
+_RETRY_PREFIX = "model_retry: "
+
+
+def _retry(exc: ModelRetry) -> Outcome:
+    return Outcome.failed(_RETRY_PREFIX + exc.message)
+
+
+def _fed(outcome: Outcome) -> Any:
+    """What a recorded outcome hands back to the agent: the value, or the recorded retry."""
+    if outcome.status == "ok":
+        return outcome.value
+    if outcome.status == "error" and (outcome.error or "").startswith(_RETRY_PREFIX):
+        raise ModelRetry((outcome.error or "")[len(_RETRY_PREFIX) :])
+    return outcome.text()
+
+
+def shown(output: Any) -> str:
+    """The output as ``asiento show`` prints a run's answer: text, or its canonical JSON."""
+    return output if isinstance(output, str) else canonical_json(to_jsonable_python(output))

@@ -1,0 +1,360 @@
+"""Run an existing ``pydantic_ai.Agent`` durably: ``await durable_run(agent, prompt, ...)``.
+
+The agent's code stays as it is. For the run, its model is wrapped (``_JournaledModel``,
+as Pydantic AI's own Temporal and DBOS backends wrap it) and so is each of its
+toolsets (``_JournaledToolset``, whose ``call_tool`` goes through the journal):
+
+- model request n is step ``m{n}``: a recorded answer is handed back without calling
+  the model (a changed request is ``ReplayDivergence``); a new request carries the
+  step's deterministic ``Idempotency-Key``, so ``asiento gateway`` bills a crash
+  inside it once; its answer is recorded before the agent sees it;
+- tool call k of ``m{n}`` is step ``m{n}.t{k}`` (its place in the recorded answer, so
+  parallel calls keep their ids): intent and submitted are durable before it runs,
+  and a resumed run follows the replay table, as a native run does: a recorded
+  result is fed back, an idempotent tool runs again, any other raises
+  ``UncertainEffect`` for a person to resolve;
+- a closed run hands back its recorded output without running anything.
+
+The run holds its lease through a ``Session`` and writes through the same
+``Checkpointer`` calls as a native run, so ``asiento ls``, ``show``, ``resolve``
+and ``abandon`` work on it unchanged. docs/integrations/pydantic-ai.md says what
+this cannot make durable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import TypeAdapter
+from pydantic_ai import Agent, DeferredToolRequests, RunContext
+from pydantic_ai.messages import ModelMessage
+from pydantic_ai.messages import ModelResponse as FrameworkResponse
+from pydantic_ai.models import Model, ModelRequestParameters, StreamedResponse, infer_model
+from pydantic_ai.models.wrapper import WrapperModel
+from pydantic_ai.settings import ModelSettings
+from pydantic_ai.toolsets import ToolsetTool, WrapperToolset
+
+from .. import step_ids
+from ..errors import (
+    AsientoError,
+    LeaseLost,
+    RunAbandoned,
+    UsageError,
+)
+from ..events import ApprovalStep, FinalStep, Lease, Phase, Step, StepEvent
+from ..journal.base import Checkpointer
+from ..model import ModelRequest, ToolCall
+from ..payloads import (
+    Final,
+    Intent,
+)
+from ..replay import index
+from ..session import RunStats, Session
+from ._pydantic_ai_pass import MESSAGES_KEY, OUTPUT_KEY, Pass, shown
+from ._pydantic_ai_records import (
+    load_messages,
+)
+
+__all__ = ["DurableResult", "WorkerAgent", "durable_run"]
+
+
+@dataclass(frozen=True, slots=True)
+class DurableResult:
+    """What a durable run of a Pydantic AI agent ended with.
+
+    ``output`` is the agent's output (for a closed run, the recorded one, validated
+    again against the agent's ``output_type``); ``replayed`` says the run was closed
+    already and nothing ran; ``stats`` counts what this call paid and what the journal
+    saved it from paying again. ``awaiting`` names the tool steps that wait for a
+    person's approval (``asiento approve`` / ``deny``): the run is suspended there, its
+    ``output`` is None, and the next call after the decisions goes on. ``abandoned``: a
+    person closed the run (``asiento abandon``); nothing runs and ``output`` is None.
+    """
+
+    run_id: str
+    output: Any
+    messages: list[ModelMessage]
+    replayed: bool
+    stats: RunStats
+    awaiting: tuple[str, ...] = ()
+    abandoned: bool = False
+
+
+async def durable_run(
+    agent: Agent[Any, Any],
+    prompt: str,
+    *,
+    run_id: str,
+    store: Checkpointer,
+    idempotent: Iterable[str] = (),
+    trusted_mcp: Iterable[str] = (),
+    model: Model | str | None = None,
+    deps: Any = None,
+    message_history: Sequence[ModelMessage] | None = None,
+    lease_ttl: float = 30.0,
+    wait: float = 0.0,
+    lease: Lease | None = None,
+) -> DurableResult:
+    """Drive ``agent`` on ``prompt`` as run ``run_id`` of ``store``, to its end.
+
+    Call it again with the same arguments after a crash: what the journal holds is
+    replayed, what is missing is done, each effect once or ``UncertainEffect``.
+    ``idempotent`` names the tools that are safe to run again when a crash left their
+    outcome unknown (every other tool is not, except an MCP tool whose annotations say
+    so, from a server whose toolset ``id`` is in ``trusted_mcp``: the MCP table of
+    docs/mcp.md). ``lease`` is one a worker claimed.
+    """
+    if not isinstance(agent, Agent):
+        raise UsageError(f"durable_run() takes a pydantic_ai.Agent, got {agent!r}")
+    if not isinstance(prompt, str):
+        raise UsageError(f"durable_run(prompt=...) must be a str, got {type(prompt).__name__}")
+    chosen = model if model is not None else agent.model
+    if chosen is None:
+        raise UsageError("durable_run(): the agent has no model; pass model=...")
+    session = Session(run_id, _FrameworkModel(), store, lease_ttl=lease_ttl, wait=wait, lease=lease)
+    options = _Options(chosen, frozenset(idempotent), frozenset(trusted_mcp), deps)
+    return await _drive(agent, prompt, session, options, message_history)
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """How a run of the agent is driven, beside the agent itself."""
+
+    model: Model | str
+    idempotent: frozenset[str]
+    trusted_mcp: frozenset[str]
+    deps: Any
+
+
+async def _drive(
+    agent: Agent[Any, Any],
+    prompt: str,
+    session: Session,
+    options: _Options,
+    message_history: Sequence[ModelMessage] | None = None,
+) -> DurableResult:
+    """One pass over the run under ``session``'s lease: replayed, then what is missing."""
+    store = session.store
+    final = await store.final(session.run_id)
+    if final is not None:
+        await session.settle_closed()
+        return _closed(agent, session, final)
+    try:
+        async with session.driving() as held:
+            journal = index(await store.load(session.run_id))
+            run = Pass(session, held, options.idempotent, options.trusted_mcp, journal)
+            wrapped = _JournaledModel(infer_model(options.model), run=run)
+            toolsets = [_JournaledToolset(t, run=run) for t in agent.toolsets]
+            asked: str | None = prompt
+            history, decided = message_history, None
+            with agent.override(model=wrapped, toolsets=toolsets, tools=[]), _unwrapped():
+                while True:  # each round ends at a deferral the journal has decisions for
+                    result = await agent.run(
+                        asked,
+                        deps=options.deps,
+                        message_history=history,
+                        deferred_tool_results=decided,
+                    )
+                    if not isinstance(result.output, DeferredToolRequests):
+                        break
+                    decided, awaiting = await run.decisions(result.output)
+                    if decided is None:
+                        return DurableResult(
+                            run_id=session.run_id,
+                            output=None,
+                            messages=result.all_messages(),
+                            replayed=False,
+                            stats=session.stats,
+                            awaiting=awaiting,
+                        )
+                    asked, history = None, result.all_messages()
+            messages = result.all_messages()
+            await run.close(result.output, messages)
+    except LeaseLost as exc:
+        abandoned = await _abandonment(session)
+        if abandoned is None:
+            raise
+        raise abandoned from exc
+    return DurableResult(
+        run_id=session.run_id,
+        output=result.output,
+        messages=messages,
+        replayed=False,
+        stats=session.stats,
+    )
+
+
+async def _abandonment(session: Session) -> RunAbandoned | None:
+    """The error for a lease lost to a person who abandoned the run, if that is what
+    happened (abandoning takes the run's fence)."""
+    try:
+        final = await session.store.final(session.run_id)
+    except AsientoError:
+        return None
+    closed = None if final is None else Final.from_json(final.payload)
+    if closed is None or not closed.abandoned:
+        return None
+    return RunAbandoned(session.run_id, closed.text or "abandoned")
+
+
+class WorkerAgent:
+    """A Pydantic AI agent as ``asiento worker`` drives it: ``App(agents={"refunds":
+    WorkerAgent(agent)})``; each claimed run is one ``durable_run`` pass under the claim.
+
+    The worker's process rebuilds the agent: the same instructions, tools, output type
+    and model settings as the process that started the run (else ``ReplayDivergence``).
+    The app's gateway is not used: the agent asks its own model.
+    """
+
+    def __init__(
+        self,
+        agent: Agent[Any, Any],
+        *,
+        idempotent: Iterable[str] = (),
+        trusted_mcp: Iterable[str] = (),
+        model: Model | str | None = None,
+        deps: Any = None,
+    ) -> None:
+        if not isinstance(agent, Agent):
+            raise UsageError(f"WorkerAgent() takes a pydantic_ai.Agent, got {agent!r}")
+        chosen = model if model is not None else agent.model
+        if chosen is None:
+            raise UsageError("WorkerAgent(): the agent has no model; pass model=...")
+        self.agent = agent
+        self.options = _Options(chosen, frozenset(idempotent), frozenset(trusted_mcp), deps)
+
+    async def run(self, task: str, *, session: Session) -> AsyncIterator[Step]:
+        """The pass's end as the worker counts it: a ``FinalStep``, or an ``ApprovalStep``
+        for each step that waits for a person."""
+        result = await _drive(self.agent, task, session, self.options)
+        for step_id in result.awaiting:
+            intent = next(
+                Intent.from_json(e.payload)
+                for e in await session.store.load_step(session.run_id, step_id)
+                if e.phase is Phase.INTENT
+            )
+            yield ApprovalStep(
+                run_id=session.run_id,
+                step_id=step_id,
+                call=ToolCall(name=intent.tool, arguments=intent.args),
+                fingerprint=intent.fp,
+            )
+        if not result.awaiting:
+            yield FinalStep(
+                run_id=session.run_id,
+                step_id=step_ids.FINAL,
+                text=shown(result.output),
+                replayed=result.replayed,
+                abandoned=result.abandoned,
+            )
+
+
+def _closed(agent: Agent[Any, Any], session: Session, final: StepEvent) -> DurableResult:
+    """A closed run answers with what it recorded, and nothing runs."""
+    payload = final.payload
+    closed = Final.from_json(payload)
+    if closed.abandoned:
+        return DurableResult(
+            run_id=session.run_id,
+            output=None,
+            messages=[],
+            replayed=True,
+            stats=session.stats,
+            abandoned=True,
+        )
+    if OUTPUT_KEY not in payload:
+        raise UsageError(
+            f"run {session.run_id!r} is closed without a Pydantic AI output "
+            f"({closed.text!r}); it has nothing to hand back"
+        )
+    output = payload[OUTPUT_KEY]
+    kind = agent.output_type
+    if isinstance(kind, type) and kind is not str:
+        output = TypeAdapter(kind).validate_python(output)
+    return DurableResult(
+        run_id=session.run_id,
+        output=output,
+        messages=load_messages(payload.get(MESSAGES_KEY)),
+        replayed=True,
+        stats=session.stats,
+    )
+
+
+@contextlib.contextmanager
+def _unwrapped() -> Iterator[None]:
+    """An asiento error raised inside the agent's task group comes out as itself."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        mine = [e for e in _leaves(group) if isinstance(e, AsientoError)]
+        if mine:
+            raise mine[0] from group
+        raise
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
+class _FrameworkModel:
+    """The ``Session``'s gateway slot: the framework's own model asks, never asiento's."""
+
+    async def complete(self, request: ModelRequest, *, idempotency_key: str) -> Any:
+        raise UsageError("a Pydantic AI run asks its model through the agent, not a gateway")
+
+
+class _JournaledModel(WrapperModel):
+    """The agent's model, with every request going through the run's journal."""
+
+    def __init__(self, wrapped: Model, *, run: Pass) -> None:
+        super().__init__(wrapped)
+        self._run = run
+
+    async def request(
+        self,
+        messages: list[ModelMessage],
+        model_settings: ModelSettings | None,
+        model_request_parameters: ModelRequestParameters,
+    ) -> FrameworkResponse:
+        async def ask(settings: ModelSettings) -> FrameworkResponse:
+            return await self.wrapped.request(messages, settings, model_request_parameters)
+
+        return await self._run.model_step(messages, model_settings, model_request_parameters, ask)
+
+    @contextlib.asynccontextmanager
+    async def request_stream(
+        self,
+        messages: list[ModelMessage],
+        model_settings: ModelSettings | None,
+        model_request_parameters: ModelRequestParameters,
+        run_context: RunContext[Any] | None = None,
+    ) -> AsyncIterator[StreamedResponse]:
+        raise UsageError(
+            "a durable Pydantic AI run does not stream its model requests yet (run_stream, "
+            "iter with node.stream, or an event_stream_handler); a streamed answer would not be "
+            "journaled and would be paid again after a crash: use durable_run without streaming"
+        )
+        yield  # pragma: no cover
+
+
+@dataclass
+class _JournaledToolset(WrapperToolset[Any]):
+    """One of the agent's toolsets, each call going through the run's journal first."""
+
+    run: Pass | None = field(default=None, kw_only=True)
+
+    async def call_tool(
+        self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: ToolsetTool[Any]
+    ) -> Any:
+        assert self.run is not None
+
+        async def run() -> Any:
+            return await self.wrapped.call_tool(name, tool_args, ctx, tool)
+
+        return await self.run.tool_step(name, ctx.tool_call_id, run, tool)

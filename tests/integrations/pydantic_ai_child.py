@@ -1,0 +1,105 @@
+"""One pass of a durable Pydantic AI run in its own process, for the crash tests.
+
+    python tests/integrations/pydantic_ai_child.py DB RUN_ID BASE_URL EFFECTS [options]
+
+The agent is a real ``pydantic_ai.Agent`` on ``OpenAIChatModel`` (the official
+``openai`` client) against ``BASE_URL``. Its ``refund`` tool appends one line to
+``EFFECTS`` per run: the effect the tests count across processes. Arm
+``ASIENTO_CRASH_AT`` to have the pass kill itself with SIGKILL. The outcome is one
+JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+async def _pass(args: argparse.Namespace) -> dict[str, Any]:
+    from pydantic_ai import Agent, DeferredToolRequests, ModelRetry
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from asiento import ReplayDivergence, SqliteCheckpointer, UncertainEffect
+    from asiento.integrations.pydantic_ai import durable_run
+
+    provider = OpenAIProvider(base_url=args.base_url, api_key="sk-test")
+    model = OpenAIChatModel("gpt-test", provider=provider)
+    output: Any = [str, DeferredToolRequests] if args.approval else str
+    toolsets: list[Any] = []
+    if args.mcp:
+        from fastmcp.client.transports import StdioTransport
+        from pydantic_ai.mcp import MCPToolset
+
+        env = {**os.environ, "MCP_LEDGER": args.effects, "MCP_DEDUP": args.effects + ".keys"}
+        server = StdioTransport(command=sys.executable, args=[args.mcp, "stdio"], env=env)
+        toolsets.append(MCPToolset(server, id="notes"))
+    agent = Agent(model, instructions=args.instructions, output_type=output, toolsets=toolsets)
+
+    @agent.tool_plain(requires_approval=args.approval)
+    def refund(order: str) -> str:
+        """Refund an order."""
+        log = Path(args.effects)
+        if args.retry_once and not log.exists():  # the first call asks the model again
+            log.write_text("retried\n")
+            raise ModelRetry("the refund service is busy; ask again")
+        with log.open("a") as f:
+            f.write(order + "\n")
+        return f"refunded {order}"
+
+    store = SqliteCheckpointer(args.db)
+    idempotent = ["refund"] if args.idempotent else []
+    try:
+        result = await durable_run(
+            agent,
+            args.prompt,
+            run_id=args.run_id,
+            store=store,
+            idempotent=idempotent,
+            trusted_mcp=["notes"] if args.trusted else [],
+        )
+    except UncertainEffect as exc:
+        return {"ended": "uncertain", "step": exc.step_id}
+    except ReplayDivergence as exc:
+        return {"ended": "divergence", "step": exc.step_id}
+    finally:
+        await store.close()
+    stats = result.stats
+    if result.awaiting:
+        return {
+            "ended": "awaiting",
+            "steps": list(result.awaiting),
+            "model_calls": stats.model_calls,
+        }
+    return {
+        "ended": "already closed" if result.replayed else "closed",
+        "output": result.output,
+        "model_calls": stats.model_calls,
+        "replayed": stats.model_calls_replayed,
+        "tool_calls": stats.tool_calls,
+        "tools_replayed": stats.tool_calls_replayed,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("db", "run_id", "base_url", "effects"):
+        parser.add_argument(name)
+    parser.add_argument("--instructions", default="Refund what you are asked to.")
+    parser.add_argument("--idempotent", action="store_true")
+    parser.add_argument("--prompt", default="refund A1")
+    parser.add_argument("--approval", action="store_true", help="refund requires approval")
+    parser.add_argument("--mcp", help="an MCP server script (stdio) whose tools the agent has")
+    parser.add_argument("--trusted", action="store_true", help="trust its annotations")
+    parser.add_argument("--retry-once", action="store_true", help="refund raises ModelRetry once")
+    outcome = asyncio.run(_pass(parser.parse_args()))
+    sys.stdout.write(json.dumps(outcome) + "\n")
+
+
+if __name__ == "__main__":
+    main()

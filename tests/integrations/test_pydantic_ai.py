@@ -1,0 +1,625 @@
+"""A real ``pydantic_ai.Agent`` run durably: killed with SIGKILL, resumed, counted.
+
+The agent talks to ``FakeProvider`` on 127.0.0.1 through Pydantic AI's
+``OpenAIChatModel`` and the official ``openai`` client. Each pass runs in its own
+process (``pydantic_ai_child.py``); the fake counts billable generations by their
+``Idempotency-Key`` and the tool counts its effects in a file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("pydantic_ai")
+
+from asiento import RunStatus, SqliteCheckpointer
+from asiento.proxy import create_app
+from asiento.testing import ENV_VAR
+from providers.fake_servers import Answer, AsgiServer, FakeProvider
+
+CHILD = Path(__file__).with_name("pydantic_ai_child.py")
+KILLED = -signal.SIGKILL
+RUN = "refund-1"
+SCRIPT = (Answer(calls=(("refund", {"order": "A1"}),)), Answer(text="refunded A1"))
+
+
+@pytest.fixture
+def provider() -> Iterator[FakeProvider]:
+    with FakeProvider(SCRIPT) as p:
+        yield p
+
+
+def run_pass(
+    tmp_path: Path, base_url: str, *extra: str, crash_at: str | None = None
+) -> dict[str, Any] | None:
+    """One pass in a new process; its JSON outcome, or None when it was killed."""
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    if crash_at:
+        env[ENV_VAR] = crash_at
+    argv = [
+        sys.executable, str(CHILD), str(tmp_path / "runs.db"), RUN, base_url,
+        str(tmp_path / "effects.log"), *extra,
+    ]  # fmt: skip
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+    if proc.returncode != 0:
+        assert proc.returncode == KILLED, proc.stderr
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def effects(tmp_path: Path) -> list[str]:
+    log = tmp_path / "effects.log"
+    return log.read_text().split() if log.exists() else []
+
+
+def billed_per_step(provider: FakeProvider) -> Counter[str]:
+    return Counter(key.split(":")[1] for key in provider.generations if key)
+
+
+async def _status(db: Path) -> RunStatus:
+    store = SqliteCheckpointer(db)
+    try:
+        info = await store.run(RUN)
+        assert info is not None
+        return info.status
+    finally:
+        await store.close()
+
+
+def test_the_three_pass_count(provider: FakeProvider, tmp_path: Path) -> None:
+    """Killed after the tool's result: model x1, tool x1; then model x1, tool x0; then x0."""
+    assert run_pass(tmp_path, provider.openai_url, crash_at="after_result") is None
+    assert provider.billed() == 1
+    assert effects(tmp_path) == ["A1"]
+
+    second = run_pass(tmp_path, provider.openai_url)
+    assert second == {
+        "ended": "closed", "output": "refunded A1", "model_calls": 1, "replayed": 1,
+        "tool_calls": 0, "tools_replayed": 1,
+    }  # fmt: skip
+    assert provider.billed() == 2
+    assert effects(tmp_path) == ["A1"]
+
+    third = run_pass(tmp_path, provider.openai_url)
+    assert third is not None
+    assert third["ended"] == "already closed"
+    assert third["output"] == "refunded A1"
+    assert provider.billed() == 2
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+    assert asyncio.run(_status(tmp_path / "runs.db")) is RunStatus.CLOSED
+
+
+def test_every_request_carries_its_step_key(provider: FakeProvider, tmp_path: Path) -> None:
+    """The Idempotency-Key is asiento's (run, step, request fingerprint), the same on resume."""
+    assert run_pass(tmp_path, provider.openai_url, crash_at="inside_model_call") is None
+    assert run_pass(tmp_path, provider.openai_url) is not None
+    keys = [r.key for r in provider.requests]
+    assert len(keys) == 3
+    assert keys[0] == keys[1]  # m1 asked again after the kill: the very same key
+    assert [k.split(":")[:2] for k in keys if k] == [[RUN, "m1"], [RUN, "m1"], [RUN, "m2"]]
+
+
+def test_a_non_idempotent_tool_killed_before_its_result_is_uncertain(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Killed between the tool's effect and its record: never run again, UncertainEffect."""
+    assert run_pass(tmp_path, provider.openai_url, crash_at="after_tool") is None
+    assert effects(tmp_path) == ["A1"]
+    resumed = run_pass(tmp_path, provider.openai_url)
+    assert resumed == {"ended": "uncertain", "step": "m1.t1"}
+    assert effects(tmp_path) == ["A1"]
+    assert provider.billed() == 1
+    assert asyncio.run(_status(tmp_path / "runs.db")) is RunStatus.UNCERTAIN
+
+
+def test_a_person_resolves_the_uncertain_tool_with_the_cli(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """``asiento resolve --happened`` on the framework's run: it goes on, the effect once."""
+    assert run_pass(tmp_path, provider.openai_url, crash_at="after_tool") is None
+    assert run_pass(tmp_path, provider.openai_url) == {"ended": "uncertain", "step": "m1.t1"}
+    db = str(tmp_path / "runs.db")
+    cli = [sys.executable, "-m", "asiento"]
+    shown = subprocess.run(
+        [*cli, "runs", "--store", db], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert RUN in shown.stdout
+    subprocess.run(
+        [*cli, "resolve", RUN, "m1.t1", "--happened", "--by", "ops", "--store", db],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    resumed = run_pass(tmp_path, provider.openai_url)
+    assert resumed is not None
+    assert resumed["ended"] == "closed"
+    assert effects(tmp_path) == ["A1"]
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+
+
+def test_an_idempotent_tool_killed_before_its_result_runs_again(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Declared idempotent, the same kill re-runs the tool (a new attempt) and closes."""
+    assert run_pass(tmp_path, provider.openai_url, "--idempotent", crash_at="after_tool") is None
+    resumed = run_pass(tmp_path, provider.openai_url, "--idempotent")
+    assert resumed is not None
+    assert resumed["ended"] == "closed"
+    assert resumed["tool_calls"] == 1
+    assert effects(tmp_path) == ["A1", "A1"]
+
+
+def test_a_crash_inside_a_model_call_through_the_gateway_is_billed_once(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Killed after the answer came, before it was recorded: ``asiento gateway`` keeps it."""
+    app = create_app(provider.openai_url, db=tmp_path / "keys.db")
+    with AsgiServer(app) as gateway:
+        url = gateway.url + "/v1"
+        assert run_pass(tmp_path, url, crash_at="inside_model_call") is None
+        resumed = run_pass(tmp_path, url)
+    assert resumed is not None
+    assert resumed["ended"] == "closed"
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+
+
+def test_without_the_gateway_the_same_crash_pays_twice(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """The negative control of the test above: direct to the provider, m1 is paid again."""
+    assert run_pass(tmp_path, provider.openai_url, crash_at="inside_model_call") is None
+    assert run_pass(tmp_path, provider.openai_url) is not None
+    assert billed_per_step(provider) == {"m1": 2, "m2": 1}
+
+
+def test_changed_instructions_are_a_divergence(provider: FakeProvider, tmp_path: Path) -> None:
+    """Resumed with other instructions, the recorded m1 was asked something else."""
+    assert run_pass(tmp_path, provider.openai_url, crash_at="after_result") is None
+    changed = run_pass(tmp_path, provider.openai_url, "--instructions", "Refund nothing.")
+    assert changed == {"ended": "divergence", "step": "m1"}
+    assert provider.billed() == 1
+    assert effects(tmp_path) == ["A1"]
+
+
+PARALLEL = (
+    Answer(calls=(("refund", {"order": "A1"}), ("refund", {"order": "B2"}))),
+    Answer(text="refunded both"),
+)
+
+
+def test_parallel_tool_calls_killed_mid_way_keep_their_ids_and_run_once(tmp_path: Path) -> None:
+    """Two calls in one answer run concurrently; killed after the first result, whichever
+    it was: the ids come from the answer, a call left in flight is uncertain (a person
+    says what happened), and in the end each refund happened exactly once."""
+    prompt = ("--prompt", "refund A1 and B2")
+    with FakeProvider(PARALLEL) as provider:
+        url = provider.openai_url
+        assert run_pass(tmp_path, url, *prompt, crash_at="after_result") is None
+        resumed = run_pass(tmp_path, url, *prompt)
+        assert resumed is not None
+        if resumed["ended"] == "uncertain":  # the other call was submitted when it died
+            step = resumed["step"]
+            order = asyncio.run(_intent(tmp_path / "runs.db", step))["order"]
+            found = "--happened" if order in effects(tmp_path) else "--not-happened"
+            db = str(tmp_path / "runs.db")
+            subprocess.run(
+                [sys.executable, "-m", "asiento", "resolve", RUN, step, found, "--by", "ops",
+                 "--store", db],
+                capture_output=True, text=True, timeout=60, check=True,
+            )  # fmt: skip
+            resumed = run_pass(tmp_path, url, *prompt)
+            assert resumed is not None
+        assert resumed["ended"] == "closed"
+        assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+    assert sorted(effects(tmp_path)) == ["A1", "B2"]
+    assert asyncio.run(_intent(tmp_path / "runs.db", "m1.t1")) == {"order": "A1"}
+    assert asyncio.run(_intent(tmp_path / "runs.db", "m1.t2")) == {"order": "B2"}
+
+
+async def _intent(db: Path, step_id: str) -> dict[str, Any]:
+    store = SqliteCheckpointer(db)
+    try:
+        events = await store.load_step(RUN, step_id)
+    finally:
+        await store.close()
+    return dict(next(e.payload["args"] for e in events if e.phase.value == "intent"))
+
+
+# -- Pydantic AI's approvals, as asiento approvals ------------------------------------------
+
+
+def asiento_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asiento", *args], capture_output=True, text=True, timeout=60,
+        check=True,
+    )  # fmt: skip
+
+
+def test_requires_approval_waits_for_the_cli_then_runs_exactly_once(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """A ``requires_approval`` tool is an asiento step awaiting approval: suspended, shown
+    by ``asiento show``, approved with ``asiento approve``, run once, closed once."""
+    db = str(tmp_path / "runs.db")
+    first = run_pass(tmp_path, provider.openai_url, "--approval")
+    assert first == {"ended": "awaiting", "steps": ["m1.t1"], "model_calls": 1}
+    assert effects(tmp_path) == []
+    assert asyncio.run(_status(tmp_path / "runs.db")) is RunStatus.SUSPENDED
+    again = run_pass(tmp_path, provider.openai_url, "--approval")  # nobody decided yet
+    assert again == {"ended": "awaiting", "steps": ["m1.t1"], "model_calls": 0}
+    assert "m1.t1" in asiento_cli("show", RUN, "--store", db).stdout
+    asiento_cli("approve", RUN, "m1.t1", "--by", "ops", "--store", db)
+    approved = run_pass(tmp_path, provider.openai_url, "--approval")
+    assert approved is not None
+    assert approved["ended"] == "closed"
+    assert approved["tool_calls"] == 1
+    assert effects(tmp_path) == ["A1"]
+    closed = run_pass(tmp_path, provider.openai_url, "--approval")
+    assert closed is not None
+    assert closed["ended"] == "already closed"
+    assert effects(tmp_path) == ["A1"]
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+
+
+def test_an_approved_tool_killed_before_its_result_is_not_run_again_on_the_approval(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """The approval approves one run of the tool: a crash after it ran is uncertain, the
+    approval is not re-used as a flag for a second run (pydantic-ai#5536)."""
+    db = str(tmp_path / "runs.db")
+    assert run_pass(tmp_path, provider.openai_url, "--approval") is not None
+    asiento_cli("approve", RUN, "m1.t1", "--by", "ops", "--store", db)
+    assert run_pass(tmp_path, provider.openai_url, "--approval", crash_at="after_tool") is None
+    resumed = run_pass(tmp_path, provider.openai_url, "--approval")
+    assert resumed == {"ended": "uncertain", "step": "m1.t1"}
+    assert effects(tmp_path) == ["A1"]
+
+
+def test_a_denied_tool_never_runs_and_the_model_is_told(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    db = str(tmp_path / "runs.db")
+    assert run_pass(tmp_path, provider.openai_url, "--approval") is not None
+    asiento_cli("deny", RUN, "m1.t1", "--by", "ops", "--reason", "not this one", "--store", db)
+    resumed = run_pass(tmp_path, provider.openai_url, "--approval")
+    assert resumed is not None
+    assert resumed["ended"] == "closed"
+    assert effects(tmp_path) == []
+    told = json.dumps(provider.requests[-1].body["messages"])
+    assert "not this one" in told
+
+
+def test_the_refund_example_runs_and_prints_what_it_measured() -> None:
+    """examples/integrations/pydantic_ai_refund.py: the three-pass count, one refund."""
+    example = Path(__file__).resolve().parents[2] / "examples/integrations/pydantic_ai_refund.py"
+    proc = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=300, check=True
+    )
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    assert rows[1][:3] == ["1", "1", "1"]
+    assert " ".join(rows[1][3:]) == "killed by SIGKILL"
+    assert rows[2] == ["2", "1", "0", "closed"]
+    assert rows[3] == ["3", "0", "0", "already", "closed"]
+    assert "generations billed: 2" in proc.stdout
+    assert "refunds made: 1" in proc.stdout
+
+
+# -- in one process: divergence on other tools --------------------------------------
+
+
+@pytest.fixture
+async def client(provider: FakeProvider) -> AsyncIterator[Any]:
+    """The official client on the fake provider, closed after the test."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=provider.openai_url, api_key="sk-test") as c:
+        yield c
+
+
+def _agent(client: Any, **options: Any) -> Any:
+    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel("gpt-test", provider=OpenAIProvider(openai_client=client))
+    agent = Agent(model, output_type=[str, DeferredToolRequests], **options)
+
+    @agent.tool_plain(requires_approval=True)
+    def refund(order: str) -> str:
+        """Refund an order."""
+        return f"refunded {order}"
+
+    return agent
+
+
+async def test_other_tools_on_resume_are_a_divergence(
+    provider: FakeProvider, client: Any, tmp_path: Path
+) -> None:
+    """Suspended on an approval, resumed by an agent with one more tool: ReplayDivergence
+    at m1, and the model is not asked again."""
+    from asiento import ReplayDivergence
+    from asiento.integrations.pydantic_ai import durable_run
+
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        first = await durable_run(_agent(client), "refund A1", run_id=RUN, store=store)
+        assert first.awaiting == ("m1.t1",)
+        changed = _agent(client)
+
+        @changed.tool_plain
+        def lookup(order: str) -> str:
+            """Look an order up."""
+            return order
+
+        with pytest.raises(ReplayDivergence) as caught:
+            await durable_run(changed, "refund A1", run_id=RUN, store=store)
+        assert caught.value.step_id == "m1"
+        assert "new: 'lookup'" in str(caught.value)
+        assert provider.billed() == 1
+    finally:
+        await store.close()
+
+
+# -- MCP toolsets: the MCP table decides idempotency ----------------------------------------
+
+MCP_SERVER = Path(__file__).resolve().parents[1] / "mcp_tools" / "server.py"
+LOOKUP = (Answer(calls=(("lookup", {"city": "Paris"}),)), Answer(text="sunny"))
+
+
+def lookups(tmp_path: Path) -> int:
+    log = tmp_path / "effects.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return sum(1 for line in lines if line.startswith("lookup "))
+
+
+@pytest.mark.parametrize(
+    ("trusted", "ended", "runs"), [(True, "closed", 2), (False, "uncertain", 1)],
+    ids=["trusted-read-only-reruns", "untrusted-is-uncertain"],
+)  # fmt: skip
+def test_an_mcp_tool_killed_before_its_result_follows_the_mcp_table(
+    tmp_path: Path, trusted: bool, ended: str, runs: int
+) -> None:
+    """A read-only MCP tool (pydantic-ai's MCPServerStdio, a real mcp SDK server) killed
+    after it ran: re-run when its server is trusted, UncertainEffect when it is not."""
+    options = ("--mcp", str(MCP_SERVER), "--prompt", "weather in Paris")
+    options += ("--trusted",) if trusted else ()
+    with FakeProvider(LOOKUP) as provider:
+        assert run_pass(tmp_path, provider.openai_url, *options, crash_at="after_tool") is None
+        assert lookups(tmp_path) == 1
+        resumed = run_pass(tmp_path, provider.openai_url, *options)
+    assert resumed is not None
+    assert resumed["ended"] == ended
+    assert lookups(tmp_path) == runs
+
+
+# -- structured output and message history, as Pydantic AI documents them --------------------
+
+
+async def test_structured_output_is_handed_back_typed_by_a_closed_run(tmp_path: Path) -> None:
+    """``output_type`` a pydantic model: the run's output, and the closed run's, are one."""
+    import openai
+    from pydantic import BaseModel
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelRequest, ModelResponse, TextPart, UserPromptPart
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from asiento.integrations.pydantic_ai import durable_run
+
+    class Refund(BaseModel):
+        order: str
+        amount: int
+
+    # The fake answers turn N (assistant turns in the request): the history holds one.
+    script = (
+        Answer(text="unused"),
+        Answer(calls=(("final_result", {"order": "A1", "amount": 5}),)),
+    )
+    earlier = [
+        ModelRequest(parts=[UserPromptPart("hello")]),
+        ModelResponse(parts=[TextPart("hello, how can I help?")]),
+    ]
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    with FakeProvider(script) as provider:
+        async with openai.AsyncOpenAI(base_url=provider.openai_url, api_key="sk") as client:
+            model = OpenAIChatModel("gpt-test", provider=OpenAIProvider(openai_client=client))
+            agent = Agent(model, output_type=Refund)
+            try:
+                first = await durable_run(
+                    agent, "refund A1", run_id=RUN, store=store, message_history=earlier
+                )
+                again = await durable_run(
+                    agent, "refund A1", run_id=RUN, store=store, message_history=earlier
+                )
+            finally:
+                await store.close()
+        asked = json.dumps(provider.requests[0].body["messages"])
+    assert first.output == Refund(order="A1", amount=5)
+    assert again.replayed
+    assert again.output == first.output
+    assert isinstance(again.output, Refund)
+    assert "how can I help" in asked  # the history was sent as the framework sends it
+    assert [type(m).__name__ for m in again.messages] == [type(m).__name__ for m in first.messages]
+    assert provider.billed() == 1
+
+
+def test_the_overhead_bench_runs_and_counts_its_records(tmp_path: Path) -> None:
+    """bench/pydantic_ai_overhead.py --quick: both modes ran; six records per durable run
+    (its times are figures, not checks)."""
+    bench = Path(__file__).resolve().parents[2] / "bench" / "pydantic_ai_overhead.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--quick", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, check=True,
+    )  # fmt: skip
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines()[1:3]}
+    assert rows["pydantic-ai"][1] == "20"
+    assert rows["asiento"][1:2] == ["20"]
+    assert rows["asiento"][3:] == ["3", "6"]
+    assert "overhead per step:" in done.stdout
+
+
+# -- asiento's workers drive Pydantic AI runs -------------------------------------------------
+
+
+async def test_a_worker_drives_a_submitted_run_and_one_suspended_on_an_approval(
+    provider: FakeProvider, client: Any, tmp_path: Path
+) -> None:
+    """``App(agents={...: WorkerAgent(agent)})``: a submitted run is claimed and closed; a run
+    a worker left suspended is approved with the CLI and closed by the next claim."""
+    from asiento.gateways.scripted import ScriptedGateway
+    from asiento.integrations.pydantic_ai import WorkerAgent
+    from asiento.worker import App, Worker, submit
+
+    agent = _agent(client)
+    app = App(agents={"refunds": WorkerAgent(agent)}, gateway=ScriptedGateway([]), lease_ttl=5)
+    db = tmp_path / "runs.db"
+    store = SqliteCheckpointer(db)
+    try:
+        await submit(store, RUN, "refund A1", agent="refunds")
+        first = Worker(store, app, poll=0.05)
+        await first.run(until_idle=True, max_seconds=60)
+        assert (first.stats.claimed, first.stats.suspended) == (1, 1)
+        assert (await store.run(RUN)).status is RunStatus.SUSPENDED  # type: ignore[union-attr]
+        await asyncio.to_thread(
+            asiento_cli, "approve", RUN, "m1.t1", "--by", "ops", "--store", str(db)
+        )
+        second = Worker(store, app, poll=0.05)
+        await second.run(until_idle=True, max_seconds=60)
+        assert (second.stats.claimed, second.stats.closed) == (1, 1)
+        assert (await store.run(RUN)).status is RunStatus.CLOSED  # type: ignore[union-attr]
+    finally:
+        await store.close()
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+
+
+RETRIED = (
+    Answer(calls=(("refund", {"order": "A1"}),)),
+    Answer(calls=(("refund", {"order": "A1"}),)),
+    Answer(text="refunded A1"),
+)
+
+
+def test_a_model_retry_is_recorded_and_replayed_as_one(tmp_path: Path) -> None:
+    """The tool's ModelRetry is m1.t1's recorded outcome: the resume replays it (the retry
+    prompt is the same, so m2 is replayed too), and the refund happened once."""
+    with FakeProvider(RETRIED) as provider:
+        url = provider.openai_url
+        assert run_pass(tmp_path, url, "--retry-once", crash_at="after_result") is None
+        assert effects(tmp_path) == ["retried", "A1"]
+        resumed = run_pass(tmp_path, url, "--retry-once")
+        assert resumed is not None
+        assert (resumed["ended"], resumed["replayed"], resumed["tools_replayed"]) == (
+            "closed",
+            2,
+            2,
+        )
+        assert billed_per_step(provider) == {"m1": 1, "m2": 1, "m3": 1}
+    assert effects(tmp_path) == ["retried", "A1"]
+
+
+async def test_an_abandoned_run_does_nothing_when_resumed(
+    provider: FakeProvider, client: Any, tmp_path: Path
+) -> None:
+    """``asiento abandon`` on a suspended Pydantic AI run: resuming it runs nothing."""
+    from asiento.integrations.pydantic_ai import durable_run
+
+    db = tmp_path / "runs.db"
+    store = SqliteCheckpointer(db)
+    try:
+        first = await durable_run(_agent(client), "refund A1", run_id=RUN, store=store)
+        assert first.awaiting == ("m1.t1",)
+        await asyncio.to_thread(
+            asiento_cli,
+            "abandon",
+            RUN,
+            "--by",
+            "ops",
+            "--reason",
+            "wrong order",
+            "--store",
+            str(db),
+        )
+        resumed = await durable_run(_agent(client), "refund A1", run_id=RUN, store=store)
+    finally:
+        await store.close()
+    assert (resumed.abandoned, resumed.replayed, resumed.output) == (True, True, None)
+    assert provider.billed() == 1
+
+
+async def test_a_run_abandoned_while_its_tool_runs_stops_with_run_abandoned(
+    provider: FakeProvider, client: Any, tmp_path: Path
+) -> None:
+    """A person abandons the run while its tool runs: the pass cannot record the result
+    and stops with RunAbandoned; resuming it runs nothing."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from asiento import RunAbandoned
+    from asiento.integrations.pydantic_ai import durable_run
+
+    db = tmp_path / "runs.db"
+    model = OpenAIChatModel("gpt-test", provider=OpenAIProvider(openai_client=client))
+    agent = Agent(model)
+
+    @agent.tool_plain
+    def refund(order: str) -> str:
+        """Refund an order (a person abandons the run meanwhile)."""
+        asiento_cli("abandon", RUN, "--by", "ops", "--reason", "stop", "--store", str(db))
+        return f"refunded {order}"
+
+    store = SqliteCheckpointer(db)
+    try:
+        with pytest.raises(RunAbandoned):
+            await durable_run(agent, "refund A1", run_id=RUN, store=store)
+        resumed = await durable_run(agent, "refund A1", run_id=RUN, store=store)
+    finally:
+        await store.close()
+    assert resumed.abandoned
+    assert provider.billed() == 1
+
+
+async def test_a_requested_shutdown_stops_between_steps_and_the_run_resumes(
+    provider: FakeProvider, client: Any, tmp_path: Path
+) -> None:
+    """``asiento.shutdown.request()`` (a worker's SIGTERM) while the tool runs: the pass
+    records its result and stops before m2; the next pass finishes from the journal."""
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from asiento import shutdown
+    from asiento.integrations.pydantic_ai import durable_run
+
+    model = OpenAIChatModel("gpt-test", provider=OpenAIProvider(openai_client=client))
+    agent = Agent(model)
+    ran: list[str] = []
+
+    @agent.tool_plain
+    def refund(order: str) -> str:
+        """Refund an order (a shutdown is requested meanwhile)."""
+        ran.append(order)
+        shutdown.request()
+        return f"refunded {order}"
+
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        with pytest.raises(shutdown.ShutdownRequested, match="before m2"):
+            await durable_run(agent, "refund A1", run_id=RUN, store=store)
+        shutdown.reset()
+        resumed = await durable_run(agent, "refund A1", run_id=RUN, store=store)
+    finally:
+        shutdown.reset()
+        await store.close()
+    assert resumed.output == "refunded A1"
+    assert (resumed.stats.tool_calls_replayed, ran) == (1, ["A1"])
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}
