@@ -1,0 +1,1 @@
+"""Agents written with other frameworks, on asiento's journal: one module per framework."""
