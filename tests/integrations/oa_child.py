@@ -30,7 +30,9 @@ from asiento.integrations.openai_agents import durable_run
 TASK = "refund order 42"
 
 
-def build_agent(base_url: str, tool_log: Path) -> Agent[Any]:
+def build_agent(
+    client: openai.AsyncOpenAI, tool_log: Path, *, instructions: str = "You refund orders."
+) -> Agent[Any]:
     """The agent a resumed process rebuilds, the same every time."""
 
     @function_tool
@@ -45,14 +47,14 @@ def build_agent(base_url: str, tool_log: Path) -> Agent[Any]:
             log.write(json.dumps({"order": order, "amount": amount}) + "\n")
         return f"refunded {amount} on order {order}"
 
-    client = openai.AsyncOpenAI(api_key="sk-test", base_url=base_url, max_retries=0)
     model = OpenAIChatCompletionsModel(model="gpt-test", openai_client=client)
-    return Agent(name="refunds", instructions="You refund orders.", model=model, tools=[refund])
+    return Agent(name="refunds", instructions=instructions, model=model, tools=[refund])
 
 
 async def main(db: str, run_id: str, base_url: str, tool_log: str, *flags: str) -> dict[str, Any]:
     set_tracing_disabled(True)
-    agent = build_agent(base_url, Path(tool_log))
+    client = openai.AsyncOpenAI(api_key="sk-test", base_url=base_url, max_retries=0)
+    agent = build_agent(client, Path(tool_log))
     store = SqliteCheckpointer(db)
     idempotent = {"refund"} if "idempotent" in flags else set()
     try:
@@ -63,6 +65,7 @@ async def main(db: str, run_id: str, base_url: str, tool_log: str, *flags: str) 
         return {"ended": "uncertain", "step": exc.step_id}
     finally:
         await store.close()
+        await client.close()
     return {"ended": "closed", "output": result.final_output, "replayed": result.replayed}
 
 

@@ -1,0 +1,360 @@
+"""OpenAI Agents SDK agents on asiento's journal: the real SDK, the official client, real kills.
+
+The agent is the SDK's own ``Agent`` on ``OpenAIChatCompletionsModel`` and
+``AsyncOpenAI``, talking Chat Completions over HTTP to ``FakeProvider`` on
+127.0.0.1, which counts billable generations by their ``Idempotency-Key``. The
+crash tests run one pass per child process (``oa_child.py``) and kill it with
+SIGKILL at a named point; each real run of the tool is a line in a file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import agents
+import openai
+import pytest
+from agents import Agent, OpenAIChatCompletionsModel, function_tool, handoff
+
+from asiento import ReplayDivergence, SqliteCheckpointer, UsageError
+from asiento._canonical import model_key
+from asiento.events import Phase, RunStatus
+from asiento.integrations.openai_agents import durable_run
+from asiento.proxy import create_app
+from asiento.testing import ENV_VAR
+from providers.fake_servers import Answer, AsgiServer, FakeProvider
+
+from .oa_child import TASK, build_agent
+
+os.environ["OPENAI_AGENTS_DISABLE_TRACING"] = "1"
+agents.set_tracing_disabled(True)
+
+CHILD = Path(__file__).with_name("oa_child.py")
+RUN = "refund-42"
+KILLED = -signal.SIGKILL
+REFUND = ("refund", {"order": 42, "amount": 9.5})
+SCRIPT = (Answer(calls=(REFUND,)), Answer(text="all done"))
+
+
+@pytest.fixture
+def provider() -> Iterator[FakeProvider]:
+    """A scripted Chat Completions provider: refund, then done."""
+    with FakeProvider(SCRIPT) as p:
+        yield p
+
+
+def child(
+    tmp_path: Path, url: str, *, crash_at: str | None = None, idempotent: bool = False
+) -> dict[str, Any] | None:
+    """One pass in a new process; its JSON outcome, or None if it was killed."""
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    if crash_at:
+        env[ENV_VAR] = crash_at
+    argv = [sys.executable, str(CHILD), str(tmp_path / "runs.db"), RUN, url,
+            str(tmp_path / "tools.log"), *(["idempotent"] if idempotent else [])]  # fmt: skip
+    proc = subprocess.run(argv, check=False, env=env, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        assert proc.returncode == KILLED, proc.stderr
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def tool_runs(tmp_path: Path) -> int:
+    log = tmp_path / "tools.log"
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def billed_per_step(provider: FakeProvider) -> Counter[str]:
+    return Counter(key.split(":")[1] for key in provider.generations if key)
+
+
+async def timeline(db: Path, run_id: str = RUN) -> list[tuple[str, str]]:
+    store = SqliteCheckpointer(db)
+    try:
+        return [(e.step_id, str(e.phase)) for e in await store.load(run_id)]
+    finally:
+        await store.close()
+
+
+def test_the_seeds_three_passes(provider: FakeProvider, tmp_path: Path) -> None:
+    """Killed after the tool: model x1 tool x1; then model x1 tool x0; then nothing at all."""
+    assert child(tmp_path, provider.openai_url, crash_at="after_result") is None
+    assert (provider.billed(), tool_runs(tmp_path)) == (1, 1)
+    second = child(tmp_path, provider.openai_url)
+    assert second == {"ended": "closed", "output": "all done", "replayed": False}
+    assert (provider.billed(), tool_runs(tmp_path)) == (2, 1)
+    third = child(tmp_path, provider.openai_url)
+    assert third == {"ended": "closed", "output": "all done", "replayed": True}
+    assert (provider.billed(), tool_runs(tmp_path)) == (2, 1)
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+    assert asyncio.run(timeline(tmp_path / "runs.db")) == [
+        ("m1", "result"), ("m1.t1", "intent"), ("m1.t1", "submitted"), ("m1.t1", "result"),
+        ("m2", "result"), ("final", "result"),
+    ]  # fmt: skip
+
+
+def test_every_request_carries_its_steps_idempotency_key(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """The key a request is sent with is asiento's key of its step and fingerprint."""
+    assert child(tmp_path, provider.openai_url) is not None
+    keys = [r.key for r in provider.requests]
+    assert [k.split(":")[:2] for k in keys if k] == [[RUN, "m1"], [RUN, "m2"]]
+    payloads = asyncio.run(_model_results(tmp_path / "runs.db"))
+    assert keys == [model_key(RUN, step, payloads[step]["fp"]) for step in ("m1", "m2")]
+
+
+async def _model_results(db: Path) -> dict[str, Any]:
+    store = SqliteCheckpointer(db)
+    try:
+        events = await store.load(RUN)
+    finally:
+        await store.close()
+    return {e.step_id: e.payload for e in events if e.step_id in ("m1", "m2")}
+
+
+def test_a_tool_killed_before_its_result_is_an_uncertain_effect(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Killed between the tool's submitted record and its result: the resume does not guess."""
+    assert child(tmp_path, provider.openai_url, crash_at="after_tool") is None
+    assert tool_runs(tmp_path) == 1
+    assert child(tmp_path, provider.openai_url) == {"ended": "uncertain", "step": "m1.t1"}
+    assert (provider.billed(), tool_runs(tmp_path)) == (1, 1)
+    info = asyncio.run(_info(tmp_path / "runs.db"))
+    assert info.status is RunStatus.UNCERTAIN
+
+
+async def _info(db: Path) -> Any:
+    store = SqliteCheckpointer(db)
+    try:
+        return await store.run(RUN)
+    finally:
+        await store.close()
+
+
+def test_an_idempotent_tool_killed_before_its_result_runs_again(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Declared idempotent, the same crash re-runs the tool as a second attempt and goes on."""
+    assert child(tmp_path, provider.openai_url, crash_at="after_tool", idempotent=True) is None
+    resumed = child(tmp_path, provider.openai_url, idempotent=True)
+    assert resumed == {"ended": "closed", "output": "all done", "replayed": False}
+    assert (billed_per_step(provider), tool_runs(tmp_path)) == ({"m1": 1, "m2": 1}, 2)
+    assert ("m1.t1/2", "result") in asyncio.run(timeline(tmp_path / "runs.db"))
+
+
+def test_a_crash_inside_a_model_call_through_the_gateway_is_billed_once(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """Killed after m1's answer came, before it was recorded: asiento gateway answers the
+    resumed request from what it kept under the key; without it, m1 is paid twice."""
+    app = create_app(provider.openai_url, db=tmp_path / "keys.db")
+    with AsgiServer(app) as server:
+        url = server.url + "/v1"
+        assert child(tmp_path, url, crash_at="inside_model_call") is None
+        assert asyncio.run(timeline(tmp_path / "runs.db")) == []
+        resumed = child(tmp_path, url)
+    assert resumed == {"ended": "closed", "output": "all done", "replayed": False}
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+
+
+def test_without_the_gateway_that_crash_pays_twice(provider: FakeProvider, tmp_path: Path) -> None:
+    """The same crash straight to the provider: the journal had nothing, m1 is asked again."""
+    assert child(tmp_path, provider.openai_url, crash_at="inside_model_call") is None
+    assert child(tmp_path, provider.openai_url) is not None
+    assert billed_per_step(provider) == {"m1": 2, "m2": 1}
+
+
+def test_changed_instructions_are_a_replay_divergence(
+    provider: FakeProvider, tmp_path: Path
+) -> None:
+    """A resumed run whose agent asks m1 differently stops, naming the step."""
+    assert child(tmp_path, provider.openai_url, crash_at="after_model_result") is None
+
+    async def resume() -> None:
+        client = sdk(provider)
+        agent = build_agent(client, tmp_path / "tools.log", instructions="Be generous.")
+        store = SqliteCheckpointer(tmp_path / "runs.db")
+        try:
+            await durable_run(agent, TASK, run_id=RUN, store=store)
+        finally:
+            await store.close()
+            await client.close()
+
+    with pytest.raises(ReplayDivergence, match="'m1'"):
+        asyncio.run(resume())
+    assert (provider.billed(), tool_runs(tmp_path)) == (1, 0)
+
+
+# -- in one process ----------------------------------------------------------------------
+
+
+def sdk(provider: FakeProvider) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(api_key="sk-test", base_url=provider.openai_url, max_retries=0)
+
+
+@pytest.fixture
+async def clients() -> AsyncIterator[list[openai.AsyncOpenAI]]:
+    """The official clients a test made, closed at its end."""
+    made: list[openai.AsyncOpenAI] = []
+    yield made
+    for client in made:
+        await client.close()
+
+
+def _model(provider: FakeProvider, clients: list[openai.AsyncOpenAI]) -> OpenAIChatCompletionsModel:
+    clients.append(sdk(provider))
+    return OpenAIChatCompletionsModel(model="gpt-test", openai_client=clients[-1])
+
+
+async def test_parallel_calls_are_numbered_by_their_place_in_the_answer(
+    tmp_path: Path, clients: list[openai.AsyncOpenAI]
+) -> None:
+    """Two calls in one answer are m1.t1 and m1.t2 in the order the model wrote them."""
+    calls = (("refund", {"order": 1, "amount": 1.0}), ("refund", {"order": 2, "amount": 2.0}))
+    seen: list[int] = []
+
+    @function_tool
+    async def refund(order: int, amount: float) -> str:
+        """Refund an order."""
+        await asyncio.sleep(0.05 if order == 1 else 0)  # the second finishes first
+        seen.append(order)
+        return f"refunded {order}"
+
+    with FakeProvider((Answer(calls=calls), Answer(text="both done"))) as provider:
+        agent = Agent(name="refunds", model=_model(provider, clients), tools=[refund])
+        store = SqliteCheckpointer(tmp_path / "runs.db")
+        try:
+            result = await durable_run(agent, TASK, run_id=RUN, store=store)
+            events = await store.load(RUN)
+        finally:
+            await store.close()
+    assert result.final_output == "both done"
+    assert seen == [2, 1]
+    intents = {e.step_id: e.payload["args"]["order"] for e in events if e.phase is Phase.INTENT}
+    assert intents == {"m1.t1": 1, "m1.t2": 2}
+
+
+async def test_a_handoff_is_a_step_of_the_same_run(
+    tmp_path: Path, clients: list[openai.AsyncOpenAI]
+) -> None:
+    """Triage hands off to refunds: the handoff and the refunds agent's steps share the run."""
+    script = (
+        Answer(calls=(("transfer_to_refunds", {}),)),
+        Answer(calls=(REFUND,)),
+        Answer(text="refunded"),
+    )
+    runs: list[int] = []
+
+    @function_tool
+    def refund(order: int, amount: float) -> str:
+        """Refund an order."""
+        runs.append(order)
+        return "ok"
+
+    with FakeProvider(script) as provider:
+        refunds = Agent(name="refunds", model=_model(provider, clients), tools=[refund])
+        triage = Agent(name="triage", model=_model(provider, clients), handoffs=[handoff(refunds)])
+        store = SqliteCheckpointer(tmp_path / "runs.db")
+        try:
+            first = await durable_run(triage, TASK, run_id=RUN, store=store)
+            again = await durable_run(triage, TASK, run_id=RUN, store=store)
+            events = await store.load(RUN)
+        finally:
+            await store.close()
+    assert (first.final_output, again.final_output, again.replayed) == (
+        "refunded",
+        "refunded",
+        True,
+    )
+    assert runs == [42]
+    steps = [(e.step_id, str(e.phase)) for e in events if e.phase in (Phase.INTENT, Phase.RESULT)]
+    assert steps == [
+        ("m1", "result"), ("m1.t1", "intent"), ("m1.t1", "result"), ("m2", "result"),
+        ("m2.t1", "intent"), ("m2.t1", "result"), ("m3", "result"), ("final", "result"),
+    ]  # fmt: skip
+    handed = next(e for e in events if e.step_id == "m1.t1" and e.phase is Phase.RESULT)
+    assert handed.payload["value"] == {"handoff": "refunds"}
+
+
+async def test_the_run_is_listed_like_a_native_run(
+    provider: FakeProvider, tmp_path: Path, clients: list[openai.AsyncOpenAI]
+) -> None:
+    """The run index shows it closed, with its model calls and tool steps."""
+    clients.append(sdk(provider))
+    agent = build_agent(clients[-1], tmp_path / "tools.log")
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        await durable_run(agent, TASK, run_id=RUN, store=store)
+        info = await store.run(RUN)
+    finally:
+        await store.close()
+    assert info is not None
+    assert (info.status, info.model_calls, info.tool_steps) == (RunStatus.CLOSED, 2, 1)
+    shown = subprocess.run(
+        [sys.executable, "-m", "asiento", "show", RUN, "--store", str(tmp_path / "runs.db")],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert "m1.t1" in shown.stdout
+    assert "closed after m2" in shown.stdout
+
+
+# -- what it refuses, rather than repeat effects silently --------------------------------
+
+
+@function_tool(timeout=5.0)
+async def slow(x: int) -> int:
+    """A tool the SDK may cancel."""
+    return x
+
+
+@function_tool(needs_approval=True)
+def wire_money(amount: int) -> str:
+    """A tool that needs a person's approval."""
+    return "sent"
+
+
+@function_tool
+def _plain(x: int) -> int:
+    """A plain tool."""
+    return x
+
+
+@pytest.mark.parametrize(
+    ("tools", "idempotent", "match"),
+    [
+        ([slow], (), "timeout_seconds"),
+        ([wire_money], (), "needs_approval"),
+        ([_plain], ("nope",), "'nope'"),
+    ],
+    ids=["timeout", "approval", "unknown-idempotent"],
+)
+async def test_what_would_repeat_silently_is_refused(
+    provider: FakeProvider,
+    tmp_path: Path,
+    clients: list[openai.AsyncOpenAI],
+    *,
+    tools: list[Any],
+    idempotent: tuple[str, ...],
+    match: str,
+) -> None:
+    """A tool the SDK could cancel mid-effect, an SDK approval, a misnamed tool: UsageError."""
+    agent = Agent(name="a", model=_model(provider, clients), tools=tools)
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        with pytest.raises(UsageError, match=match):
+            await durable_run(agent, TASK, run_id=RUN, store=store, idempotent_tools=idempotent)
+        assert await store.load(RUN) == []
+    finally:
+        await store.close()
+    assert provider.billed() == 0
