@@ -318,12 +318,6 @@ async def slow(x: int) -> int:
     return x
 
 
-@function_tool(needs_approval=True)
-def wire_money(amount: int) -> str:
-    """A tool that needs a person's approval."""
-    return "sent"
-
-
 @function_tool
 def _plain(x: int) -> int:
     """A plain tool."""
@@ -334,10 +328,9 @@ def _plain(x: int) -> int:
     ("tools", "idempotent", "match"),
     [
         ([slow], (), "timeout_seconds"),
-        ([wire_money], (), "needs_approval"),
         ([_plain], ("nope",), "'nope'"),
     ],
-    ids=["timeout", "approval", "unknown-idempotent"],
+    ids=["timeout", "unknown-idempotent"],
 )
 async def test_what_would_repeat_silently_is_refused(
     provider: FakeProvider,
@@ -348,7 +341,7 @@ async def test_what_would_repeat_silently_is_refused(
     idempotent: tuple[str, ...],
     match: str,
 ) -> None:
-    """A tool the SDK could cancel mid-effect, an SDK approval, a misnamed tool: UsageError."""
+    """A tool the SDK could cancel mid-effect, a misnamed idempotent tool: UsageError."""
     agent = Agent(name="a", model=_model(provider, clients), tools=tools)
     store = SqliteCheckpointer(tmp_path / "runs.db")
     try:
@@ -358,3 +351,59 @@ async def test_what_would_repeat_silently_is_refused(
     finally:
         await store.close()
     assert provider.billed() == 0
+
+
+# -- approvals ---------------------------------------------------------------------------
+
+
+def _asiento(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asiento", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("approved", [True, False], ids=["approved", "denied"])
+async def test_needs_approval_waits_for_a_person_from_the_cli(
+    tmp_path: Path, clients: list[openai.AsyncOpenAI], *, approved: bool
+) -> None:
+    """A tool with needs_approval suspends the run; approved from the CLI it runs exactly
+    once, denied the model is told so; a closed run then runs nothing."""
+    sent: list[int] = []
+
+    @function_tool(needs_approval=True)
+    def wire_money(amount: int) -> str:
+        """Send money."""
+        sent.append(amount)
+        return "sent"
+
+    script = (Answer(calls=(("wire_money", {"amount": 100}),)), Answer(text="finished"))
+    db = tmp_path / "runs.db"
+    with FakeProvider(script) as provider:
+        agent = Agent(name="payer", model=_model(provider, clients), tools=[wire_money])
+
+        async def once() -> Any:
+            store = SqliteCheckpointer(db)
+            try:
+                return await durable_run(agent, TASK, run_id=RUN, store=store)
+            finally:
+                await store.close()
+
+        waiting = await once()
+        assert (waiting.awaiting, sent) == ("m1.t1", [])
+        assert (await once()).awaiting == "m1.t1"  # still waiting: nothing new is paid
+        assert provider.billed() == 1
+        verb = "approve" if approved else "deny"
+        why = [] if approved else ["--reason", "not today"]
+        decided = _asiento(verb, RUN, "m1.t1", "--by", "ana", *why, "--store", str(db))
+        assert decided.returncode == 0, decided.stderr
+        done = await once()
+        again = await once()
+        last_request = provider.requests[-1].body["messages"][-1]["content"]
+    assert (done.final_output, again.replayed) == ("finished", True)
+    assert sent == ([100] if approved else [])
+    assert provider.billed() == 2
+    assert ("sent" if approved else "not today") in last_request

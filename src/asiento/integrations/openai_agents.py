@@ -26,10 +26,11 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import inspect
 import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from agents import Agent, Handoff, Model, ModelProvider, RunConfig, Runner
 from agents.items import ModelResponse as SdkResponse
@@ -43,7 +44,7 @@ from ..errors import AsientoError, ReplayDivergence, UncertainEffect, UsageError
 from ..events import Decision, Lease, Phase, RunStatus, StepEvent
 from ..journal.base import Checkpointer
 from ..model import ModelRequest, ModelResponse
-from ..payloads import SUBMITTED, Final, Intent, ModelResult, Outcome, Resolution
+from ..payloads import SUBMITTED, Approval, Final, Intent, ModelResult, Outcome, Resolution
 from ..replay import Action, Indexed, decide, index, step_state
 from ..session import RunStats, Session
 from . import _oa_wire as wire
@@ -57,13 +58,16 @@ class DurableResult:
 
     ``final_output`` is the SDK's final output; a run closed by an earlier pass
     (``replayed``) gives it back as recorded JSON (a structured output as its dict).
-    ``result`` is the SDK's ``RunResult`` of this pass, None when nothing ran.
+    ``result`` is the SDK's ``RunResult`` of this pass, None when it did not finish.
+    ``awaiting`` is the step a person must approve or deny (``asiento approve``) before
+    the run goes on; the run is suspended on disk and ``final_output`` is None.
     """
 
     run_id: str
     final_output: Any
     replayed: bool
     result: Any = None
+    awaiting: str | None = None
 
 
 async def durable_run(
@@ -105,7 +109,11 @@ async def durable_run(
                 durable, input, context=context, max_turns=max_turns, run_config=config
             )
         except _Stop as stop:
-            raise stop.error from None
+            if stop.error is not None:
+                raise stop.error from None
+            return DurableResult(
+                run_id=run_id, final_output=None, replayed=False, awaiting=stop.awaiting
+            )
         await run.close(result.final_output)
     return DurableResult(
         run_id=run_id, final_output=result.final_output, replayed=False, result=result
@@ -127,12 +135,13 @@ class _SdkModels:
 
 
 class _Stop(BaseException):
-    """Carries an asiento error out of the SDK's tool machinery, which turns every
-    ``Exception`` of a tool into text for the model (a silent at-least-once)."""
+    """Carries an asiento error (or a suspension for a person) out of the SDK's tool
+    machinery, which turns every ``Exception`` of a tool into text for the model (a
+    silent at-least-once)."""
 
-    def __init__(self, error: AsientoError) -> None:
-        super().__init__(str(error))
-        self.error = error
+    def __init__(self, error: AsientoError | None = None, *, awaiting: str | None = None) -> None:
+        super().__init__(str(error) if error is not None else f"awaiting approval of {awaiting}")
+        self.error, self.awaiting = error, awaiting
 
 
 class _Run:
@@ -155,6 +164,7 @@ class _Run:
         self.clones: dict[int, Agent[Any]] = {}
         self.tool_names: set[str] = set()
         self.last_step = ""
+        self.running: dict[str, asyncio.Event] = {}  # tool steps executing now
 
     async def load(self) -> None:
         self.journal = index(await self.store.load(self.run_id))
@@ -214,11 +224,7 @@ class _Run:
         self.tool_names.add(tool.name)
         wrapped = copy.copy(tool)
         wrapped.on_invoke_tool = _JournaledTool(tool, self, idempotent=idempotent)
-        if tool.needs_approval is not False:
-            raise UsageError(
-                f"tool {tool.name!r} has needs_approval: the SDK's approvals are not yet "
-                "mapped to asiento approvals; an ordinary retry would re-use them"
-            )
+        wrapped.needs_approval = False  # asiento asks, and records the answer in the journal
         return wrapped
 
     def _handoff(self, handoff: Any) -> Any:
@@ -278,39 +284,65 @@ class _Run:
 
     # -- tool steps --------------------------------------------------------------------
 
-    async def tool_step(
-        self, step_id: str, name: str, args_json: str, run: Any, *, idempotent: bool
-    ) -> Any:
+    async def tool_step(self, step_id: str, call: _Call) -> Any:
         """Bring one tool call to its outcome through the replay table; the value the
         SDK gets is the recorded one, live or replayed, so both give the model the same."""
         state = step_state(self.journal, step_id)
-        action = decide(state.records, idempotent=idempotent)
+        records = state.records
+        action = decide(records, idempotent=call.idempotent)
         if action is Action.FEED_RESULT:
-            return _value(Outcome.from_json(state.records[Phase.RESULT].payload))
+            return _value(Outcome.from_json(records[Phase.RESULT].payload))
         if action is Action.FEED_RESOLUTION:
-            found = Resolution.from_json(state.records[Phase.RESOLUTION].payload)
-            return _value(found.as_outcome())
+            return _value(Resolution.from_json(records[Phase.RESOLUTION].payload).as_outcome())
         if action is Action.UNCERTAIN:
-            await self.store.set_status(
-                self.run_id, RunStatus.UNCERTAIN, lease=self.lease,
-                waits_for=(state.current_id, Phase.RESOLUTION),
-            )  # fmt: skip
-            raise _Stop(UncertainEffect(self.run_id, state.current_id, name))
-        if action is not Action.START and action is not Action.EXECUTE:
-            raise _Stop(UsageError(f"run {self.run_id!r} step {step_id!r}: {action} not supported"))
+            await self._wait(RunStatus.UNCERTAIN, state.current_id, Phase.RESOLUTION)
+            await self._halt(_Stop(UncertainEffect(self.run_id, state.current_id, call.name)))
+        if action is Action.AWAIT_APPROVAL:
+            await self._wait(RunStatus.SUSPENDED, step_id, Phase.APPROVAL)
+            await self._halt(_Stop(awaiting=step_id))
+        if action is Action.FEED_DENIAL:
+            denial = Approval.from_json(records[Phase.APPROVAL].payload).as_outcome()
+            await self._append(
+                self._event(step_id, Phase.RESULT, denial.to_json(), Decision.DENIED)
+            )
+            return _value(denial)
         attempt_id = state.next_id
         events = [self._event(attempt_id, Phase.SUBMITTED, SUBMITTED)]
         if action is Action.START:
-            args = _arguments(args_json)
-            intent = Intent(tool=name, args=args, fp=fingerprint(args)[:32])
+            args = _arguments(call.args_json)
+            intent = Intent(tool=call.name, args=args, fp=fingerprint(args)[:32])
+            if await call.needs_approval(args):
+                ask = self._event(
+                    step_id, Phase.INTENT, intent.to_json(), Decision.REQUIRE_APPROVAL
+                )
+                await self._append(ask, status=RunStatus.SUSPENDED)
+                await self._halt(_Stop(awaiting=step_id))
             events.insert(0, self._event(step_id, Phase.INTENT, intent.to_json(), Decision.ALLOW))
-        await self._append(*events)
-        crash_point("after_submitted")
-        outcome = await _outcome_of(run)
-        crash_point("after_tool")
-        await self._append(self._event(attempt_id, Phase.RESULT, outcome.to_json()))
-        crash_point("after_result")
+        done = self.running[step_id] = asyncio.Event()
+        try:
+            await self._append(*events)
+            crash_point("after_submitted")
+            outcome = await _outcome_of(call.invoke)
+            crash_point("after_tool")
+            decision = Decision.APPROVED if Phase.APPROVAL in records else None
+            await self._append(self._event(attempt_id, Phase.RESULT, outcome.to_json(), decision))
+            crash_point("after_result")
+        finally:
+            done.set()
+            del self.running[step_id]
         return _value(outcome)
+
+    async def _halt(self, stop: _Stop) -> NoReturn:
+        """Stop the run, once the tool steps running beside this one have their outcome
+        recorded: the SDK cancels a failed call's siblings, which would leave them uncertain."""
+        await asyncio.gather(*(e.wait() for e in list(self.running.values())))
+        raise stop
+
+    async def _wait(self, status: RunStatus, step_id: str, phase: Phase) -> None:
+        """The run stops here for a person; its index says for what."""
+        await self.store.set_status(
+            self.run_id, status, lease=self.lease, waits_for=(step_id, phase)
+        )
 
     def step_of(self, call_id: str, name: str) -> str:
         step_id = self.calls.get(call_id)
@@ -427,13 +459,35 @@ class _JournaledTool:
     async def __call__(self, ctx: ToolContext[Any], args_json: str) -> Any:
         step_id = self.run.step_of(ctx.tool_call_id, self.tool.name)
         invoke = self.tool.on_invoke_tool(ctx, args_json)
+        call = _Call(self.tool, ctx, args_json, invoke, idempotent=self.idempotent)
         try:
-            return await self.run.tool_step(
-                step_id, self.tool.name, args_json, invoke, idempotent=self.idempotent
-            )
+            return await self.run.tool_step(step_id, call)
         finally:
             if asyncio.iscoroutine(invoke):
                 invoke.close()  # replayed: the tool's coroutine never started
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One call of a function tool by the SDK: what the journal step needs of it."""
+
+    tool: FunctionTool
+    ctx: ToolContext[Any]
+    args_json: str
+    invoke: Any  # the tool's coroutine, awaited only if the step runs
+    idempotent: bool
+
+    @property
+    def name(self) -> str:
+        return self.tool.name
+
+    async def needs_approval(self, args: dict[str, Any]) -> bool:
+        """The tool's own ``needs_approval``, asked once, when the step is new."""
+        needs = self.tool.needs_approval
+        if isinstance(needs, bool):
+            return needs
+        answer = needs(self.ctx, args, self.ctx.tool_call_id)
+        return bool(await answer if inspect.isawaitable(answer) else answer)
 
 
 class _JournaledHandoff:
