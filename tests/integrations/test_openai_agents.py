@@ -407,3 +407,14 @@ async def test_needs_approval_waits_for_a_person_from_the_cli(
     assert sent == ([100] if approved else [])
     assert provider.billed() == 2
     assert ("sent" if approved else "not today") in last_request
+
+
+def test_the_refund_example_runs_and_holds_its_counts() -> None:
+    """examples/integrations/openai_agents_refund.py: 1/1 killed, 1/0 closed, 0/0 closed."""
+    example = Path(__file__).resolve().parents[2] / "examples/integrations/openai_agents_refund.py"
+    proc = subprocess.run(
+        [sys.executable, str(example)], check=True, capture_output=True, text=True, timeout=300
+    )
+    rows = [line.split()[:3] for line in proc.stdout.splitlines()[1:4]]
+    assert rows == [["1", "1", "1"], ["2", "1", "0"], ["3", "0", "0"]]
+    assert "refunds made in all: 1" in proc.stdout
