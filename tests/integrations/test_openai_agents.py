@@ -245,8 +245,9 @@ async def test_parallel_calls_are_numbered_by_their_place_in_the_answer(
     assert intents == {"m1.t1": 1, "m1.t2": 2}
 
 
+@pytest.mark.parametrize("as_handoff", [True, False], ids=["handoff()", "agent"])
 async def test_a_handoff_is_a_step_of_the_same_run(
-    tmp_path: Path, clients: list[openai.AsyncOpenAI]
+    tmp_path: Path, clients: list[openai.AsyncOpenAI], *, as_handoff: bool
 ) -> None:
     """Triage hands off to refunds: the handoff and the refunds agent's steps share the run."""
     script = (
@@ -264,7 +265,8 @@ async def test_a_handoff_is_a_step_of_the_same_run(
 
     with FakeProvider(script) as provider:
         refunds = Agent(name="refunds", model=_model(provider, clients), tools=[refund])
-        triage = Agent(name="triage", model=_model(provider, clients), handoffs=[handoff(refunds)])
+        to = handoff(refunds) if as_handoff else refunds
+        triage = Agent(name="triage", model=_model(provider, clients), handoffs=[to])
         store = SqliteCheckpointer(tmp_path / "runs.db")
         try:
             first = await durable_run(triage, TASK, run_id=RUN, store=store)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from agents import Agent, Handoff, Model, ModelProvider, RunConfig, Runner
+from agents import handoff as make_handoff
 from agents.items import ModelResponse as SdkResponse
 from agents.tool import FunctionTool
 from agents.tool_context import ToolContext
@@ -228,8 +229,8 @@ class _Run:
         return wrapped
 
     def _handoff(self, handoff: Any) -> Any:
-        if isinstance(handoff, Agent):
-            return self.agent(handoff)
+        if isinstance(handoff, Agent):  # the SDK's own default Handoff of it, recorded too
+            handoff = make_handoff(handoff)
         if not isinstance(handoff, Handoff):
             raise UsageError(f"handoff {handoff!r} is neither an Agent nor a Handoff")
         wrapped = copy.copy(handoff)
