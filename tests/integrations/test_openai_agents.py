@@ -420,3 +420,47 @@ def test_the_refund_example_runs_and_holds_its_counts() -> None:
     rows = [line.split()[:3] for line in proc.stdout.splitlines()[1:4]]
     assert rows == [["1", "1", "1"], ["2", "1", "0"], ["3", "0", "0"]]
     assert "refunds made in all: 1" in proc.stdout
+
+
+@pytest.mark.parametrize("idempotent", [True, False], ids=["idempotent", "not-idempotent"])
+def test_parallel_calls_killed_mid_way(tmp_path: Path, *, idempotent: bool) -> None:
+    """Two calls of one answer, killed once the first result is durable: on resume each
+    step keeps its place in the answer, a step with a result never runs again, and a step
+    submitted without one runs again only if the tool is idempotent (else UncertainEffect)."""
+    calls = (("refund", {"order": 1, "amount": 1.0}), ("refund", {"order": 2, "amount": 2.0}))
+    with FakeProvider((Answer(calls=calls), Answer(text="both done"))) as provider:
+        url = provider.openai_url
+        assert child(tmp_path, url, crash_at="after_result@1", idempotent=idempotent) is None
+        first = asyncio.run(_tool_steps(tmp_path / "runs.db"))
+        ran_first = _orders(tmp_path)
+        resumed = child(tmp_path, url, idempotent=idempotent)
+        assert provider.billed() == (2 if resumed and resumed["ended"] == "closed" else 1)
+    assert first["intents"] == {"m1.t1": 1, "m1.t2": 2}
+    done = first["results"]
+    assert done, "the first result was durable before the kill"
+    every = _orders(tmp_path)
+    for step in done:  # recorded: ran once, in the first pass only
+        assert every.count(first["intents"][step]) == 1
+    open_steps = sorted(set(first["intents"]) - set(done))
+    if not open_steps or idempotent:
+        assert resumed == {"ended": "closed", "output": "both done", "replayed": False}
+    else:
+        assert resumed == {"ended": "uncertain", "step": open_steps[0]}
+        assert every == ran_first  # nothing ran in the resumed pass
+
+
+async def _tool_steps(db: Path) -> dict[str, Any]:
+    store = SqliteCheckpointer(db)
+    try:
+        events = await store.load(RUN)
+    finally:
+        await store.close()
+    intents = {e.step_id: e.payload["args"]["order"] for e in events if e.phase is Phase.INTENT}
+    results = [e.step_id for e in events if e.phase is Phase.RESULT and e.step_id in intents]
+    return {"intents": intents, "results": results}
+
+
+def _orders(tmp_path: Path) -> list[int]:
+    log = tmp_path / "tools.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    return sorted(json.loads(line)["order"] for line in lines)
