@@ -464,3 +464,14 @@ def _orders(tmp_path: Path) -> list[int]:
     log = tmp_path / "tools.log"
     lines = log.read_text().splitlines() if log.exists() else []
     return sorted(json.loads(line)["order"] for line in lines)
+
+
+def test_the_overhead_bench_runs() -> None:
+    """bench/openai_agents.py runs both paths on one workload and prints their figures."""
+    bench = Path(__file__).resolve().parents[2] / "bench/openai_agents.py"
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--runs", "1", "--turns", "2"],
+        check=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    for row in ("Runner.run", "durable_run", "closed run (replay)", "overhead per model+tool step"):
+        assert row in proc.stdout

@@ -28,6 +28,7 @@ import copy
 import dataclasses
 import inspect
 import json
+import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -51,6 +52,8 @@ from ..session import RunStats, Session
 from . import _oa_wire as wire
 
 __all__ = ["DurableResult", "durable_run"]
+
+log = logging.getLogger("asiento")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,6 +118,8 @@ async def durable_run(
             return DurableResult(
                 run_id=run_id, final_output=None, replayed=False, awaiting=stop.awaiting
             )
+        finally:
+            await run.keep_paid_answers()
         await run.close(result.final_output)
     return DurableResult(
         run_id=run_id, final_output=result.final_output, replayed=False, result=result
@@ -166,6 +171,7 @@ class _Run:
         self.tool_names: set[str] = set()
         self.last_step = ""
         self.running: dict[str, asyncio.Event] = {}  # tool steps executing now
+        self.pending: list[StepEvent] = []  # a new answer, recorded with the next commit
 
     async def load(self) -> None:
         self.journal = index(await self.store.load(self.run_id))
@@ -268,12 +274,18 @@ class _Run:
         self.stats.output_tokens_saved += response.usage.output_tokens
         return response
 
-    async def record_answer(self, step_id: str, fp: str, model: str, response: SdkResponse) -> None:
+    def record_answer(self, step_id: str, fp: str, model: str, response: SdkResponse) -> None:
+        """Record a new answer with the next commit: the intents of the tools it asks for
+        (durable before any runs), its handoff, or the final record. A model+tool step
+        costs two commits, as a native one does."""
         result = ModelResult(fp=fp, response=wire.summary(response, model))
         payload = result.to_json() | {wire.RESPONSE_KEY: wire.dump_response(response)}
-        await self._append(StepEvent(run_id=self.run_id, step_id=step_id, phase=Phase.RESULT,
-                                     payload=payload))  # fmt: skip
-        crash_point("after_model_result")
+        self.pending.append(self._event(step_id, Phase.RESULT, payload))
+
+    async def flush(self) -> None:
+        """Make the answer waiting for the next commit durable now."""
+        if self.pending:
+            await self._append()
 
     def number_calls(self, step_id: str, response: SdkResponse, handoffs: set[str]) -> None:
         """Give each function call of the answer its step id, from its position in it."""
@@ -341,6 +353,7 @@ class _Run:
 
     async def _wait(self, status: RunStatus, step_id: str, phase: Phase) -> None:
         """The run stops here for a person; its index says for what."""
+        await self.flush()
         await self.store.set_status(
             self.run_id, status, lease=self.lease, waits_for=(step_id, phase)
         )
@@ -368,9 +381,20 @@ class _Run:
         )
 
     async def _append(self, *events: StepEvent, status: RunStatus | None = None) -> None:
-        await self.store.append(*events, status=status, lease=self.lease)
-        for event in events:
+        batch, self.pending = [*self.pending, *events], []
+        await self.store.append(*batch, status=status, lease=self.lease)
+        for event in batch:
             self.journal.setdefault(event.step_id, {})[event.phase] = event
+        if any(step_ids.is_model(e.step_id) for e in batch):
+            crash_point("after_model_result")
+
+    async def keep_paid_answers(self) -> None:
+        """The SDK stopped (an error, a guardrail, max turns): an answer already paid for
+        is recorded all the same, so the next pass does not pay it again."""
+        try:
+            await self.flush()
+        except AsientoError as exc:
+            log.warning("run %r: could not record the last answer: %s", self.run_id, exc)
 
     async def close(self, output: Any) -> None:
         recorded = wire.jsonable(output)
@@ -427,6 +451,7 @@ class _JournaledModel(Model):
         )
         response = run.recorded(step_id, fp)
         if response is None:
+            await run.flush()  # the answers before this one are durable before it is asked
             key = model_key(run.run_id, step_id, fp)
             headers = {**(model_settings.extra_headers or {}), **key_header(key)}
             response = await self.inner.get_response(
@@ -437,7 +462,7 @@ class _JournaledModel(Model):
                 conversation_id=conversation_id, prompt=prompt,
             )  # fmt: skip
             crash_point("inside_model_call")
-            await run.record_answer(step_id, fp, self.name, response)
+            run.record_answer(step_id, fp, self.name, response)
         run.number_calls(step_id, response, {h.tool_name for h in handoffs})
         return response
 
