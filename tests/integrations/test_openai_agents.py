@@ -134,6 +134,24 @@ def test_a_tool_killed_before_its_result_is_an_uncertain_effect(
     assert info.status is RunStatus.UNCERTAIN
 
 
+@pytest.mark.parametrize("happened", [True, False], ids=["happened", "not-happened"])
+def test_an_uncertain_effect_is_resolved_from_the_cli(
+    provider: FakeProvider, tmp_path: Path, *, happened: bool
+) -> None:
+    """`asiento resolve` settles the SDK run's uncertain step: found, it is fed to the model
+    and never run again; not happened, the next pass runs it once more."""
+    db = str(tmp_path / "runs.db")
+    assert child(tmp_path, provider.openai_url, crash_at="after_tool") is None
+    assert child(tmp_path, provider.openai_url) == {"ended": "uncertain", "step": "m1.t1"}
+    found = "--happened" if happened else "--not-happened"
+    decided = _asiento("resolve", RUN, "m1.t1", found, "--by", "ana", "--store", db)
+    assert decided.returncode == 0, decided.stderr
+    resumed = child(tmp_path, provider.openai_url)
+    assert resumed == {"ended": "closed", "output": "all done", "replayed": False}
+    assert tool_runs(tmp_path) == (1 if happened else 2)
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+
+
 async def _info(db: Path) -> Any:
     store = SqliteCheckpointer(db)
     try:
