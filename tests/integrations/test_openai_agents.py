@@ -25,10 +25,11 @@ import openai
 import pytest
 from agents import Agent, OpenAIChatCompletionsModel, function_tool, handoff
 
-from asiento import ReplayDivergence, SqliteCheckpointer, UsageError
+from asiento import ReplayDivergence, SqliteCheckpointer, UsageError, submit
 from asiento._canonical import model_key
 from asiento.events import Phase, RunStatus
 from asiento.integrations.openai_agents import durable_run
+from asiento.lease import Holder
 from asiento.proxy import create_app
 from asiento.testing import ENV_VAR
 from providers.fake_servers import Answer, AsgiServer, FakeProvider
@@ -493,3 +494,30 @@ def test_the_overhead_bench_runs() -> None:
     )  # fmt: skip
     for row in ("Runner.run", "durable_run", "closed run (replay)", "overhead per model+tool step"):
         assert row in proc.stdout
+
+
+async def test_a_queued_run_is_claimed_and_driven_under_the_claims_lease(
+    provider: FakeProvider, tmp_path: Path, clients: list[openai.AsyncOpenAI]
+) -> None:
+    """A run queued with asiento.submit is claimed from the store like a native one and
+    driven by durable_run under the claim's lease (the task from the claim); once closed,
+    nobody claims it again."""
+    clients.append(sdk(provider))
+    agents_by_name = {"refunds": build_agent(clients[-1], tmp_path / "tools.log")}
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        await submit(store, RUN, TASK, agent="refunds")
+        claim = await store.claim(Holder.here(), ttl=30.0)
+        assert claim is not None
+        agent = agents_by_name[claim.agent]
+        result = await durable_run(
+            agent, claim.task, run_id=claim.lease.run_id, store=store, lease=claim.lease
+        )
+        info = await store.run(RUN)
+        again = await store.claim(Holder.here(), ttl=30.0)
+    finally:
+        await store.close()
+    assert result.final_output == "all done"
+    assert info is not None
+    assert (info.status, info.lease_owner, info.task) == (RunStatus.CLOSED, None, TASK)
+    assert again is None

@@ -85,6 +85,7 @@ async def durable_run(
     context: Any = None,
     max_turns: int = 10,
     lease_ttl: float = 30.0,
+    lease: Lease | None = None,
     tracing: bool = False,
 ) -> DurableResult:
     """Run ``agent`` on ``input`` with ``Runner.run``, durably, as run ``run_id`` of ``store``.
@@ -92,18 +93,21 @@ async def durable_run(
     Call it again with the same arguments after a crash: recorded model answers and
     tool outcomes are replayed, only what is missing is asked or run. Tools named in
     ``idempotent_tools`` may run again after a crash; every other function tool runs
-    at most once, or the run stops with ``UncertainEffect``.
+    at most once, or the run stops with ``UncertainEffect``. ``lease`` is one a claim
+    gave (``store.claim``, for runs queued with ``asiento.submit``): the run is driven
+    under it, as a worker drives a native run.
     """
     if not isinstance(agent, Agent):
         raise UsageError(f"durable_run() takes an agents.Agent, got {type(agent).__name__}")
     if not isinstance(input, str):
         raise UsageError("durable_run(input=...) takes the task as a str")
+    session = Session(run_id, _SdkModels(), store, lease_ttl=lease_ttl, lease=lease)
     closed = await store.final(run_id)
     if closed is not None:
+        await session.settle_closed()
         return DurableResult(run_id=run_id, final_output=_recorded_output(closed), replayed=True)
-    session = Session(run_id, _SdkModels(), store, lease_ttl=lease_ttl)
-    async with session.driving() as lease:
-        run = _Run(run_id, store, lease, frozenset(idempotent_tools), session.stats)
+    async with session.driving() as held:
+        run = _Run(run_id, store, held, frozenset(idempotent_tools), session.stats)
         await run.load()
         durable = run.agent(agent)
         run.check_tools_known()
