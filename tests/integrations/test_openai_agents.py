@@ -22,6 +22,7 @@ from typing import Any
 
 import agents
 import openai
+import pydantic
 import pytest
 from agents import Agent, OpenAIChatCompletionsModel, function_tool, handoff
 
@@ -521,3 +522,53 @@ async def test_a_queued_run_is_claimed_and_driven_under_the_claims_lease(
     assert info is not None
     assert (info.status, info.lease_owner, info.task) == (RunStatus.CLOSED, None, TASK)
     assert again is None
+
+
+class Refunded(pydantic.BaseModel):
+    order: int
+    refunded: bool
+
+
+async def test_structured_output_is_recorded_and_given_back(
+    tmp_path: Path, clients: list[openai.AsyncOpenAI]
+) -> None:
+    """An agent with output_type: the live pass returns the SDK's typed output, the closed
+    run its recorded JSON, without asking the model."""
+    script = (Answer(text='{"order": 42, "refunded": true}'),)
+    with FakeProvider(script) as provider:
+        agent = Agent(name="r", model=_model(provider, clients), output_type=Refunded)
+        store = SqliteCheckpointer(tmp_path / "runs.db")
+        try:
+            live = await durable_run(agent, TASK, run_id=RUN, store=store)
+            closed = await durable_run(agent, TASK, run_id=RUN, store=store)
+        finally:
+            await store.close()
+        assert provider.billed() == 1
+    assert live.final_output == Refunded(order=42, refunded=True)
+    assert (closed.final_output, closed.replayed) == ({"order": 42, "refunded": True}, True)
+
+
+async def test_an_abandoned_run_answers_abandoned(
+    provider: FakeProvider, tmp_path: Path, clients: list[openai.AsyncOpenAI]
+) -> None:
+    """A run suspended for approval and abandoned from the CLI runs nothing more."""
+    sent: list[int] = []
+
+    @function_tool(needs_approval=True)
+    def refund(order: int, amount: float) -> str:
+        """Refund an order."""
+        sent.append(order)
+        return "ok"
+
+    db = tmp_path / "runs.db"
+    agent = Agent(name="r", model=_model(provider, clients), tools=[refund])
+    store = SqliteCheckpointer(db)
+    try:
+        assert (await durable_run(agent, TASK, run_id=RUN, store=store)).awaiting == "m1.t1"
+        gone = _asiento("abandon", RUN, "--by", "ana", "--reason", "duplicate", "--store", str(db))
+        assert gone.returncode == 0, gone.stderr
+        after = await durable_run(agent, TASK, run_id=RUN, store=store)
+    finally:
+        await store.close()
+    assert (after.abandoned, after.replayed, sent, provider.billed()) == (True, True, [], 1)
+    assert "duplicate" in after.final_output

@@ -65,6 +65,7 @@ class DurableResult:
     ``result`` is the SDK's ``RunResult`` of this pass, None when it did not finish.
     ``awaiting`` is the step a person must approve or deny (``asiento approve``) before
     the run goes on; the run is suspended on disk and ``final_output`` is None.
+    ``abandoned``: a person closed the run (``asiento abandon``); ``final_output`` says why.
     """
 
     run_id: str
@@ -72,6 +73,7 @@ class DurableResult:
     replayed: bool
     result: Any = None
     awaiting: str | None = None
+    abandoned: bool = False
 
 
 async def durable_run(
@@ -105,7 +107,12 @@ async def durable_run(
     closed = await store.final(run_id)
     if closed is not None:
         await session.settle_closed()
-        return DurableResult(run_id=run_id, final_output=_recorded_output(closed), replayed=True)
+        return DurableResult(
+            run_id=run_id,
+            final_output=_recorded_output(closed),
+            replayed=True,
+            abandoned=Final.from_json(closed.payload).abandoned,
+        )
     async with session.driving() as held:
         run = _Run(run_id, store, held, frozenset(idempotent_tools), session.stats)
         await run.load()
