@@ -31,7 +31,11 @@ TASK = "refund order 42"
 
 
 def build_agent(
-    client: openai.AsyncOpenAI, tool_log: Path, *, instructions: str = "You refund orders."
+    client: openai.AsyncOpenAI,
+    tool_log: Path,
+    *,
+    instructions: str = "You refund orders.",
+    more_tools: tuple[Any, ...] = (),
 ) -> Agent[Any]:
     """The agent a resumed process rebuilds, the same every time."""
 
@@ -48,7 +52,9 @@ def build_agent(
         return f"refunded {amount} on order {order}"
 
     model = OpenAIChatCompletionsModel(model="gpt-test", openai_client=client)
-    return Agent(name="refunds", instructions=instructions, model=model, tools=[refund])
+    return Agent(
+        name="refunds", instructions=instructions, model=model, tools=[refund, *more_tools]
+    )
 
 
 async def main(db: str, run_id: str, base_url: str, tool_log: str, *flags: str) -> dict[str, Any]:

@@ -195,15 +195,27 @@ def test_without_the_gateway_that_crash_pays_twice(provider: FakeProvider, tmp_p
     assert billed_per_step(provider) == {"m1": 2, "m2": 1}
 
 
-def test_changed_instructions_are_a_replay_divergence(
-    provider: FakeProvider, tmp_path: Path
+@function_tool
+def lookup_order(order: int) -> str:
+    """Read an order."""
+    return "order"
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"instructions": "Be generous."}, {"more_tools": (lookup_order,)}],
+    ids=["instructions", "tools"],
+)
+def test_a_changed_agent_is_a_replay_divergence(
+    provider: FakeProvider, tmp_path: Path, change: dict[str, Any]
 ) -> None:
-    """A resumed run whose agent asks m1 differently stops, naming the step."""
+    """A resumed run whose agent asks m1 differently (other instructions, another tool)
+    stops, naming the step, and runs nothing."""
     assert child(tmp_path, provider.openai_url, crash_at="after_model_result") is None
 
     async def resume() -> None:
         client = sdk(provider)
-        agent = build_agent(client, tmp_path / "tools.log", instructions="Be generous.")
+        agent = build_agent(client, tmp_path / "tools.log", **change)
         store = SqliteCheckpointer(tmp_path / "runs.db")
         try:
             await durable_run(agent, TASK, run_id=RUN, store=store)
