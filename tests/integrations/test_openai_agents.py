@@ -24,7 +24,14 @@ import agents
 import openai
 import pydantic
 import pytest
-from agents import Agent, OpenAIChatCompletionsModel, function_tool, handoff
+from agents import (
+    Agent,
+    OpenAIChatCompletionsModel,
+    OpenAIProvider,
+    RunConfig,
+    function_tool,
+    handoff,
+)
 
 from asiento import ReplayDivergence, SqliteCheckpointer, UsageError, submit
 from asiento._canonical import model_key
@@ -584,3 +591,30 @@ async def test_an_abandoned_run_answers_abandoned(
         await store.close()
     assert (after.abandoned, after.replayed, sent, provider.billed()) == (True, True, [], 1)
     assert "duplicate" in after.final_output
+
+
+async def test_a_model_named_by_string_goes_through_the_run_configs_provider(
+    provider: FakeProvider, tmp_path: Path, clients: list[openai.AsyncOpenAI]
+) -> None:
+    """Agent(model="gpt-test") with RunConfig(model_provider=OpenAIProvider(...)) on the
+    Responses API: the provider's models are journaled too (keys sent, closed run replayed)."""
+    clients.append(sdk(provider))
+    runs: list[int] = []
+
+    @function_tool
+    def refund(order: int, amount: float) -> str:
+        """Refund an order."""
+        runs.append(order)
+        return "ok"
+
+    agent = Agent(name="r", model="gpt-test", tools=[refund])
+    config = RunConfig(model_provider=OpenAIProvider(openai_client=clients[-1], use_responses=True))
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        live = await durable_run(agent, TASK, run_id=RUN, store=store, run_config=config)
+        closed = await durable_run(agent, TASK, run_id=RUN, store=store, run_config=config)
+    finally:
+        await store.close()
+    assert (live.final_output, closed.replayed, runs) == ("all done", True, [42])
+    assert {r.path for r in provider.requests} == {"/v1/responses"}
+    assert billed_per_step(provider) == {"m1": 1, "m2": 1}

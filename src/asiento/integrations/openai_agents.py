@@ -36,6 +36,7 @@ from typing import Any, NoReturn
 from agents import Agent, Handoff, Model, ModelProvider, RunConfig, Runner
 from agents import handoff as make_handoff
 from agents.items import ModelResponse as SdkResponse
+from agents.retry import ModelRetryAdvice, ModelRetryAdviceRequest
 from agents.tool import FunctionTool
 from agents.tool_context import ToolContext
 
@@ -476,6 +477,9 @@ class _JournaledModel(Model):
             run.record_answer(step_id, fp, self.name, response)
         run.number_calls(step_id, response, {h.tool_name for h in handoffs})
         return response
+
+    def get_retry_advice(self, request: ModelRetryAdviceRequest) -> ModelRetryAdvice | None:
+        return self.inner.get_retry_advice(request)  # a retry is sent with the same key
 
     def stream_response(self, *args: Any, **kwargs: Any) -> Any:
         raise UsageError(
