@@ -48,7 +48,7 @@ from ..events import Decision, Lease, Phase, RunStatus, StepEvent
 from ..journal.base import Checkpointer
 from ..model import ModelRequest, ModelResponse
 from ..payloads import SUBMITTED, Approval, Final, Intent, ModelResult, Outcome, Resolution
-from ..replay import Action, Indexed, decide, index, step_state
+from ..replay import Action, Indexed, StepState, decide, index, step_state
 from ..session import RunStats, Session
 from . import _oa_wire as wire
 
@@ -319,37 +319,37 @@ class _Run:
             return _value(Outcome.from_json(records[Phase.RESULT].payload))
         if action is Action.FEED_RESOLUTION:
             return _value(Resolution.from_json(records[Phase.RESOLUTION].payload).as_outcome())
-        if action is Action.UNCERTAIN:
-            await self._wait(RunStatus.UNCERTAIN, state.current_id, Phase.RESOLUTION)
-            await self._halt(_Stop(UncertainEffect(self.run_id, state.current_id, call.name)))
-        if action is Action.AWAIT_APPROVAL:
-            await self._wait(RunStatus.SUSPENDED, step_id, Phase.APPROVAL)
-            await self._halt(_Stop(awaiting=step_id))
         if action is Action.FEED_DENIAL:
             denial = Approval.from_json(records[Phase.APPROVAL].payload).as_outcome()
-            await self._append(
-                self._event(step_id, Phase.RESULT, denial.to_json(), Decision.DENIED)
-            )
+            event = self._event(step_id, Phase.RESULT, denial.to_json(), Decision.DENIED)
+            await self._append(event)
             return _value(denial)
-        attempt_id = state.next_id
+        if action is Action.UNCERTAIN:
+            stop = _Stop(UncertainEffect(self.run_id, state.current_id, call.name))
+            return await self._stop_for_person(stop, call, state.current_id, Phase.RESOLUTION)
+        if action is Action.AWAIT_APPROVAL:
+            return await self._stop_for_person(_Stop(awaiting=step_id), call, step_id)
+        return await self._execute(state, call, start=action is Action.START)
+
+    async def _execute(self, state: StepState, call: _Call, *, start: bool) -> Any:
+        """Intent (for a new step) and submitted durable, then the tool once, then its result."""
+        step_id, attempt_id = state.step_id, state.next_id
         events = [self._event(attempt_id, Phase.SUBMITTED, SUBMITTED)]
-        if action is Action.START:
+        if start:
             args = _arguments(call.args_json)
-            intent = Intent(tool=call.name, args=args, fp=fingerprint(args)[:32])
+            intent = Intent(tool=call.name, args=args, fp=fingerprint(args)[:32]).to_json()
             if await call.needs_approval(args):
-                ask = self._event(
-                    step_id, Phase.INTENT, intent.to_json(), Decision.REQUIRE_APPROVAL
-                )
+                ask = self._event(step_id, Phase.INTENT, intent, Decision.REQUIRE_APPROVAL)
                 await self._append(ask, status=RunStatus.SUSPENDED)
                 await self._halt(_Stop(awaiting=step_id))
-            events.insert(0, self._event(step_id, Phase.INTENT, intent.to_json(), Decision.ALLOW))
+            events.insert(0, self._event(step_id, Phase.INTENT, intent, Decision.ALLOW))
         done = self.running[step_id] = asyncio.Event()
         try:
             await self._append(*events)
             crash_point("after_submitted")
             outcome = await _outcome_of(call.invoke)
             crash_point("after_tool")
-            decision = Decision.APPROVED if Phase.APPROVAL in records else None
+            decision = Decision.APPROVED if Phase.APPROVAL in state.records else None
             await self._append(self._event(attempt_id, Phase.RESULT, outcome.to_json(), decision))
             crash_point("after_result")
         finally:
@@ -357,18 +357,28 @@ class _Run:
             del self.running[step_id]
         return _value(outcome)
 
+    async def _stop_for_person(
+        self, stop: _Stop, call: _Call, waits_at: str, phase: Phase = Phase.APPROVAL
+    ) -> Any:
+        """Mark the run as waiting for a person's record and stop; if that record came
+        after this pass read the journal, read it and go on with it instead."""
+        await self.flush()
+        waiting = await self.store.set_status(
+            self.run_id,
+            RunStatus.UNCERTAIN if stop.error is not None else RunStatus.SUSPENDED,
+            lease=self.lease,
+            waits_for=(waits_at, phase),
+        )
+        if waiting:
+            await self._halt(stop)
+        self.journal = index(await self.store.load(self.run_id))
+        return await self.tool_step(step_ids.base(waits_at), call)
+
     async def _halt(self, stop: _Stop) -> NoReturn:
         """Stop the run, once the tool steps running beside this one have their outcome
         recorded: the SDK cancels a failed call's siblings, which would leave them uncertain."""
         await asyncio.gather(*(e.wait() for e in list(self.running.values())))
         raise stop
-
-    async def _wait(self, status: RunStatus, step_id: str, phase: Phase) -> None:
-        """The run stops here for a person; its index says for what."""
-        await self.flush()
-        await self.store.set_status(
-            self.run_id, status, lease=self.lease, waits_for=(step_id, phase)
-        )
 
     def step_of(self, call_id: str, name: str) -> str:
         step_id = self.calls.get(call_id)
@@ -503,6 +513,8 @@ class _JournaledTool:
         call = _Call(self.tool, ctx, args_json, invoke, idempotent=self.idempotent)
         try:
             return await self.run.tool_step(step_id, call)
+        except AsientoError as exc:  # the journal's own errors end the run, named
+            raise _Stop(exc) from exc
         finally:
             if asyncio.iscoroutine(invoke):
                 invoke.close()  # replayed: the tool's coroutine never started
