@@ -33,6 +33,7 @@ from agents import (
     handoff,
 )
 
+import asiento
 from asiento import ReplayDivergence, SqliteCheckpointer, UsageError, submit
 from asiento._canonical import model_key
 from asiento.events import Phase, RunStatus
@@ -618,3 +619,47 @@ async def test_a_model_named_by_string_goes_through_the_run_configs_provider(
     assert (live.final_output, closed.replayed, runs) == ("all done", True, [42])
     assert {r.path for r in provider.requests} == {"/v1/responses"}
     assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+
+
+async def test_an_approval_given_while_the_pass_replays_is_not_overwritten(
+    tmp_path: Path, clients: list[openai.AsyncOpenAI]
+) -> None:
+    """A person approves after the pass read the journal, before it reached the step: the
+    pass does not mark the run suspended over the decision; it reads it and runs the tool."""
+    sent: list[int] = []
+    approve_now: list[bool] = []
+    db = tmp_path / "runs.db"
+
+    @function_tool(needs_approval=True)
+    def wire_money(amount: int) -> str:
+        """Send money."""
+        sent.append(amount)
+        return "sent"
+
+    async def instructions(ctx: Any, agent: Any) -> str:
+        if approve_now:  # another person, another connection, mid-pass
+            approve_now.clear()
+            other = SqliteCheckpointer(db)
+            try:
+                await asiento.approve(other, RUN, "m1.t1", by="ana")
+            finally:
+                await other.close()
+        return "You send money."
+
+    script = (Answer(calls=(("wire_money", {"amount": 5}),)), Answer(text="finished"))
+    with FakeProvider(script) as provider:
+        agent = Agent(
+            name="payer", instructions=instructions, model=_model(provider, clients),
+            tools=[wire_money],
+        )  # fmt: skip
+        store = SqliteCheckpointer(db)
+        try:
+            assert (await durable_run(agent, TASK, run_id=RUN, store=store)).awaiting == "m1.t1"
+            approve_now.append(True)
+            done = await durable_run(agent, TASK, run_id=RUN, store=store)
+            info = await store.run(RUN)
+        finally:
+            await store.close()
+    assert (done.final_output, sent) == ("finished", [5])
+    assert info is not None
+    assert info.status is RunStatus.CLOSED
