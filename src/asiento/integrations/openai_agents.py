@@ -108,33 +108,47 @@ async def durable_run(
     closed = await store.final(run_id)
     if closed is not None:
         await session.settle_closed()
-        return DurableResult(
-            run_id=run_id,
-            final_output=_recorded_output(closed),
-            replayed=True,
-            abandoned=Final.from_json(closed.payload).abandoned,
-        )
+        return _closed(run_id, closed)
     async with session.driving() as held:
         run = _Run(run_id, store, held, frozenset(idempotent_tools), session.stats)
         await run.load()
         durable = run.agent(agent)
         run.check_tools_known()
         config = run.config(run_config or RunConfig(), tracing=tracing)
-        try:
-            result = await Runner.run(
-                durable, input, context=context, max_turns=max_turns, run_config=config
-            )
-        except _Stop as stop:
-            if stop.error is not None:
-                raise stop.error from None
-            return DurableResult(
-                run_id=run_id, final_output=None, replayed=False, awaiting=stop.awaiting
-            )
-        finally:
-            await run.keep_paid_answers()
-        await run.close(result.final_output)
+        return await _drive(
+            run, durable, input, context=context, max_turns=max_turns, config=config
+        )
+
+
+async def _drive(
+    run: _Run, agent: Agent[Any], input: str, *, context: Any, max_turns: int, config: RunConfig
+) -> DurableResult:
+    """One ``Runner.run`` of the wrapped agent, to its end or to a stop for a person."""
+    try:
+        result = await Runner.run(
+            agent, input, context=context, max_turns=max_turns, run_config=config
+        )
+    except _Stop as stop:
+        if stop.error is not None:
+            raise stop.error from None
+        return DurableResult(
+            run_id=run.run_id, final_output=None, replayed=False, awaiting=stop.awaiting
+        )
+    finally:
+        await run.keep_paid_answers()
+    await run.close(result.final_output)
     return DurableResult(
-        run_id=run_id, final_output=result.final_output, replayed=False, result=result
+        run_id=run.run_id, final_output=result.final_output, replayed=False, result=result
+    )
+
+
+def _closed(run_id: str, final: StepEvent) -> DurableResult:
+    """A closed run answers from its final record: nothing runs."""
+    return DurableResult(
+        run_id=run_id,
+        final_output=_recorded_output(final),
+        replayed=True,
+        abandoned=Final.from_json(final.payload).abandoned,
     )
 
 
