@@ -1,1 +1,2 @@
-"""asiento's guarantees for agents written with a framework (Pydantic AI, OpenAI Agents SDK)."""
+"""Agents written with other frameworks (Pydantic AI, OpenAI Agents SDK) on asiento's journal:
+one module per framework, each an optional extra."""
