@@ -85,7 +85,7 @@ TIERS = {
     ),
     "ci": Tier(
         kills={"sqlite": 1000, "postgresql": 1000}, races=10, restarts=2, max_seconds=600.0,
-        control_kills=200, hypothesis="ci", decisions={"sqlite": 25, "postgresql": 50},
+        control_kills=200, hypothesis="ci", decisions={"sqlite": 10, "postgresql": 25},
         abandons=20,
     ),
     "large": Tier(
