@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from ..model import ModelResponse
 from ..streaming import StreamPart, TextPart, ToolCallPart
-from ._errors import Parser, answer_from, answered, unavailable
+from ._errors import Parser, answer_from, answered, status_error, unavailable
 from .quota import Quota
 from .rate_limit import RateLimitPolicy, holding, settled
 
@@ -31,22 +31,32 @@ async def streamed(
     tokens: int,
     provider: str,
     key: str,
+    refused: type[Exception],
+    lost: tuple[type[Exception], ...],
 ) -> AsyncIterator[StreamPart | ModelResponse]:
     """One streamed call: its parts as they come, then its answer, parsed as a plain one.
 
     ``open_stream()`` opens the SDK's stream (a 429 there is retried by the policy,
-    the same key and body); the quota's place is held until the stream is read.
+    the same key and body); the quota's place is held until the stream is read. The
+    SDK's errors become asiento's: ``refused`` (its status error) says whose fault by
+    the status, ``lost`` (its connection errors, and the transport's raised mid-stream)
+    is ``ModelUnavailable``.
     """
-    async with holding(
-        open_stream, quota=quota, policy=policy, tokens=tokens, provider=provider, key=key
-    ) as sent:
-        stream = sent.value
-        async with stream:  # closes the HTTP response however the reading ends
-            async for event in stream:
-                for part in assembler.feed(event.model_dump()):
-                    yield part
-        body = assembler.body()
-        headers = getattr(getattr(stream, "response", None), "headers", None)
+    try:
+        async with holding(
+            open_stream, quota=quota, policy=policy, tokens=tokens, provider=provider, key=key
+        ) as sent:
+            stream = sent.value
+            async with stream:  # closes the HTTP response however the reading ends
+                async for event in stream:
+                    for part in assembler.feed(event.model_dump()):
+                        yield part
+            body = assembler.body()
+            headers = getattr(getattr(stream, "response", None), "headers", None)
+    except refused as exc:
+        raise status_error(provider, key, exc) from exc
+    except lost as exc:
+        raise unavailable(provider, key, str(exc)) from exc
     if body is None:
         raise unavailable(provider, key, "the stream ended before its last event (cut short)")
     request_id = _request_id(headers)

@@ -116,7 +116,7 @@ class AnthropicGateway(OwnedClient):
         )
         return answered(settled(kept_if_replayed(response, raw.headers), sent))
 
-    async def stream(
+    def stream(
         self, request: ModelRequest, *, idempotency_key: str
     ) -> AsyncIterator[StreamPart | ModelResponse]:
         """``complete()`` streamed: the parts as the API sends them, then the same answer.
@@ -135,22 +135,18 @@ class AnthropicGateway(OwnedClient):
                 **params, extra_headers=key_header(idempotency_key)
             )
 
-        try:
-            async for item in streamed(
-                open_stream,
-                MessagesAssembler(),
-                parse_message,
-                quota=self.quota,
-                policy=self.rate_limits,
-                tokens=self.quota.reckon(params),
-                provider=self.provider,
-                key=idempotency_key,
-            ):
-                yield item
-        except anthropic.APIStatusError as exc:
-            raise status_error(self.provider, idempotency_key, exc) from exc
-        except lost as exc:
-            raise unavailable(self.provider, idempotency_key, str(exc)) from exc
+        return streamed(
+            open_stream,
+            MessagesAssembler(),
+            parse_message,
+            quota=self.quota,
+            policy=self.rate_limits,
+            tokens=self.quota.reckon(params),
+            provider=self.provider,
+            key=idempotency_key,
+            refused=anthropic.APIStatusError,
+            lost=lost,
+        )
 
     def _params(self, request: ModelRequest) -> dict[str, Any]:
         params: dict[str, Any] = {

@@ -128,7 +128,7 @@ class OpenAIGateway(OwnedClient):
         )
         return answered(settled(kept_if_replayed(response, raw.headers), sent))
 
-    async def stream(
+    def stream(
         self, request: ModelRequest, *, idempotency_key: str
     ) -> AsyncIterator[StreamPart | ModelResponse]:
         """``complete()`` streamed: the parts as the API sends them, then the same answer.
@@ -162,22 +162,18 @@ class OpenAIGateway(OwnedClient):
         async def open_stream() -> Any:
             return await create(**params, extra_headers=key_header(idempotency_key))
 
-        try:
-            async for item in streamed(
-                open_stream,
-                assembler,
-                parse,
-                quota=self.quota,
-                policy=self.rate_limits,
-                tokens=self.quota.reckon(params),
-                provider=self.provider,
-                key=idempotency_key,
-            ):
-                yield item
-        except openai.APIStatusError as exc:
-            raise status_error(self.provider, idempotency_key, exc) from exc
-        except lost as exc:
-            raise unavailable(self.provider, idempotency_key, str(exc)) from exc
+        return streamed(
+            open_stream,
+            assembler,
+            parse,
+            quota=self.quota,
+            policy=self.rate_limits,
+            tokens=self.quota.reckon(params),
+            provider=self.provider,
+            key=idempotency_key,
+            refused=openai.APIStatusError,
+            lost=lost,
+        )
 
     def _chat_params(self, request: ModelRequest) -> dict[str, Any]:
         params: dict[str, Any] = {"model": self.model, "messages": chat_messages(request)}
