@@ -3,7 +3,8 @@
     python tests/integrations/pydantic_ai_child.py DB RUN_ID BASE_URL EFFECTS [options]
 
 The agent is a real ``pydantic_ai.Agent`` on ``OpenAIChatModel`` (the official
-``openai`` client) against ``BASE_URL``. Its ``refund`` tool appends one line to
+``openai`` client), or ``AnthropicModel`` (the official ``anthropic`` client) with
+``--anthropic``, against ``BASE_URL``. Its ``refund`` tool appends one line to
 ``EFFECTS`` per run: the effect the tests count across processes. Arm
 ``ASIENTO_CRASH_AT`` to have the pass kill itself with SIGKILL. The outcome is one
 JSON line on stdout.
@@ -28,8 +29,18 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
     from asiento import ReplayDivergence, SqliteCheckpointer, UncertainEffect
     from asiento.integrations.pydantic_ai import durable_run
 
-    provider = OpenAIProvider(base_url=args.base_url, api_key="sk-test")
-    model = OpenAIChatModel("gpt-test", provider=provider)
+    model: Any
+    if args.anthropic:  # the official anthropic client, at the same fake provider
+        from pydantic_ai.models.anthropic import AnthropicModel
+        from pydantic_ai.providers.anthropic import AnthropicProvider
+
+        base = args.base_url.removesuffix("/v1")
+        model = AnthropicModel(
+            "claude-test", provider=AnthropicProvider(base_url=base, api_key="sk-test")
+        )
+    else:
+        provider = OpenAIProvider(base_url=args.base_url, api_key="sk-test")
+        model = OpenAIChatModel("gpt-test", provider=provider)
     output: Any = [str, DeferredToolRequests] if args.approval else str
     toolsets: list[Any] = []
     if args.mcp:
@@ -97,6 +108,7 @@ def main() -> None:
     parser.add_argument("--mcp", help="an MCP server script (stdio) whose tools the agent has")
     parser.add_argument("--trusted", action="store_true", help="trust its annotations")
     parser.add_argument("--retry-once", action="store_true", help="refund raises ModelRetry once")
+    parser.add_argument("--anthropic", action="store_true", help="AnthropicModel, not OpenAI")
     outcome = asyncio.run(_pass(parser.parse_args()))
     sys.stdout.write(json.dumps(outcome) + "\n")
 

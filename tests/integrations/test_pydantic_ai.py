@@ -77,13 +77,18 @@ async def _status(db: Path) -> RunStatus:
         await store.close()
 
 
-def test_the_three_pass_count(provider: FakeProvider, tmp_path: Path) -> None:
-    """Killed after the tool's result: model x1, tool x1; then model x1, tool x0; then x0."""
-    assert run_pass(tmp_path, provider.openai_url, crash_at="after_result") is None
+@pytest.mark.parametrize("client", ["openai", "anthropic"])
+def test_the_three_pass_count(provider: FakeProvider, tmp_path: Path, client: str) -> None:
+    """Killed after the tool's result: model x1, tool x1; then model x1, tool x0; then x0.
+
+    Through the official openai client (``OpenAIChatModel``) and anthropic client
+    (``AnthropicModel``): the integration wraps whichever model the agent has."""
+    extra = ("--anthropic",) if client == "anthropic" else ()
+    assert run_pass(tmp_path, provider.openai_url, *extra, crash_at="after_result") is None
     assert provider.billed() == 1
     assert effects(tmp_path) == ["A1"]
 
-    second = run_pass(tmp_path, provider.openai_url)
+    second = run_pass(tmp_path, provider.openai_url, *extra)
     assert second == {
         "ended": "closed", "output": "refunded A1", "model_calls": 1, "replayed": 1,
         "tool_calls": 0, "tools_replayed": 1,
@@ -91,12 +96,15 @@ def test_the_three_pass_count(provider: FakeProvider, tmp_path: Path) -> None:
     assert provider.billed() == 2
     assert effects(tmp_path) == ["A1"]
 
-    third = run_pass(tmp_path, provider.openai_url)
+    third = run_pass(tmp_path, provider.openai_url, *extra)
     assert third is not None
     assert third["ended"] == "already closed"
     assert third["output"] == "refunded A1"
     assert provider.billed() == 2
     assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+    path = "/v1/messages" if client == "anthropic" else "/v1/chat/completions"
+    assert {r.path for r in provider.requests} == {path}
+    assert provider.problems == []
     assert asyncio.run(_status(tmp_path / "runs.db")) is RunStatus.CLOSED
 
 
@@ -158,15 +166,17 @@ def test_an_idempotent_tool_killed_before_its_result_runs_again(
     assert effects(tmp_path) == ["A1", "A1"]
 
 
+@pytest.mark.parametrize("client", ["openai", "anthropic"])
 def test_a_crash_inside_a_model_call_through_the_gateway_is_billed_once(
-    provider: FakeProvider, tmp_path: Path
+    provider: FakeProvider, tmp_path: Path, client: str
 ) -> None:
     """Killed after the answer came, before it was recorded: ``asiento gateway`` keeps it."""
+    extra = ("--anthropic",) if client == "anthropic" else ()
     app = create_app(provider.openai_url, db=tmp_path / "keys.db")
     with AsgiServer(app) as gateway:
         url = gateway.url + "/v1"
-        assert run_pass(tmp_path, url, crash_at="inside_model_call") is None
-        resumed = run_pass(tmp_path, url)
+        assert run_pass(tmp_path, url, *extra, crash_at="inside_model_call") is None
+        resumed = run_pass(tmp_path, url, *extra)
     assert resumed is not None
     assert resumed["ended"] == "closed"
     assert billed_per_step(provider) == {"m1": 1, "m2": 1}
