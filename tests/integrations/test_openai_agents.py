@@ -663,3 +663,58 @@ async def test_an_approval_given_while_the_pass_replays_is_not_overwritten(
     assert (done.final_output, sent) == ("finished", [5])
     assert info is not None
     assert info.status is RunStatus.CLOSED
+
+
+async def test_asiento_worker_drives_sdk_runs_submitted_and_suspended_on_an_approval(
+    tmp_path: Path, clients: list[openai.AsyncOpenAI]
+) -> None:
+    """``App(agents={...: WorkerAgent(agent)})``: ``asiento.Worker`` claims a submitted SDK
+    run; a run it left suspended on ``needs_approval`` is approved with the CLI and closed
+    by the next claim, the tool run exactly once."""
+    from asiento.integrations.openai_agents import WorkerAgent
+    from asiento.testing import ScriptedGateway
+    from asiento.worker import App, Worker
+
+    sent: list[int] = []
+
+    @function_tool(needs_approval=True)
+    def wire_money(amount: int) -> str:
+        """Send money."""
+        sent.append(amount)
+        return "sent"
+
+    script = (Answer(calls=(("wire_money", {"amount": 100}),)), Answer(text="finished"))
+    db = tmp_path / "runs.db"
+    with FakeProvider(script) as provider:
+        agent = Agent(name="payer", model=_model(provider, clients), tools=[wire_money])
+        app = App(agents={"payer": WorkerAgent(agent)}, gateway=ScriptedGateway([]), lease_ttl=5)
+        store = SqliteCheckpointer(db)
+        try:
+            await submit(store, RUN, TASK, agent="payer")
+            first = Worker(store, app, poll=0.05)
+            await first.run(until_idle=True, max_seconds=60)
+            suspended = await store.run(RUN)
+            decided = await asyncio.to_thread(
+                _asiento, "approve", RUN, "m1.t1", "--by", "ana", "--store", str(db)
+            )
+            second = Worker(store, app, poll=0.05)
+            await second.run(until_idle=True, max_seconds=60)
+            closed = await store.run(RUN)
+        finally:
+            await store.close()
+    assert (first.stats.claimed, first.stats.suspended) == (1, 1)
+    assert suspended is not None
+    assert suspended.status is RunStatus.SUSPENDED
+    assert decided.returncode == 0, decided.stderr
+    assert (second.stats.claimed, second.stats.closed) == (1, 1)
+    assert closed is not None
+    assert closed.status is RunStatus.CLOSED
+    assert sent == [100]
+    assert provider.billed() == 2
+
+
+def test_worker_agent_takes_only_an_sdk_agent() -> None:
+    from asiento.integrations.openai_agents import WorkerAgent
+
+    with pytest.raises(UsageError, match=r"agents\.Agent"):
+        WorkerAgent(object())  # type: ignore[arg-type]

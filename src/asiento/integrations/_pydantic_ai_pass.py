@@ -21,7 +21,7 @@ from pydantic_ai.toolsets import ToolsetTool
 from pydantic_core import to_jsonable_python
 
 from .. import context, shutdown, step_ids
-from .._canonical import canonical_json, fingerprint, key_header, model_key
+from .._canonical import fingerprint, key_header, model_key
 from .._crash import crash_point
 from ..errors import ReplayDivergence, UncertainEffect, UsageError
 from ..events import Decision, Lease, Phase, RunStatus, StepEvent
@@ -36,6 +36,7 @@ from ._pydantic_ai_records import (
     tool_calls,
     tool_digests,
 )
+from ._worker import shown
 
 OUTPUT_KEY = "pydantic_ai_output"
 MESSAGES_KEY = "pydantic_ai_messages"
@@ -331,8 +332,3 @@ def _fed(outcome: Outcome) -> Any:
     if outcome.status == "error" and (outcome.error or "").startswith(_RETRY_PREFIX):
         raise ModelRetry((outcome.error or "")[len(_RETRY_PREFIX) :])
     return outcome.text()
-
-
-def shown(output: Any) -> str:
-    """The output as ``asiento show`` prints a run's answer: text, or its canonical JSON."""
-    return output if isinstance(output, str) else canonical_json(to_jsonable_python(output))

@@ -29,7 +29,7 @@ import dataclasses
 import inspect
 import json
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -44,13 +44,14 @@ from .. import step_ids
 from .._canonical import fingerprint, key_header, model_key
 from .._crash import crash_point
 from ..errors import AsientoError, ReplayDivergence, UncertainEffect, UsageError
-from ..events import Decision, Lease, Phase, RunStatus, StepEvent
+from ..events import Decision, Lease, Phase, RunStatus, Step, StepEvent
 from ..journal.base import Checkpointer
 from ..model import ModelRequest, ModelResponse
 from ..payloads import SUBMITTED, Approval, Final, Intent, ModelResult, Outcome, Resolution
 from ..replay import Action, Indexed, StepState, decide, index, step_state
 from ..session import RunStats, Session
 from . import _oa_wire as wire
+from ._worker import pass_end, shown
 
 __all__ = ["DurableResult", "durable_run"]
 
@@ -105,19 +106,85 @@ async def durable_run(
     if not isinstance(input, str):
         raise UsageError("durable_run(input=...) takes the task as a str")
     session = Session(run_id, _SdkModels(), store, lease_ttl=lease_ttl, lease=lease)
+    options = _Options(frozenset(idempotent_tools), run_config, context, max_turns, tracing)
+    return await _pass(agent, input, session, options)
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    """What ``durable_run`` takes beside the agent and the run: the same for every pass."""
+
+    idempotent_tools: frozenset[str]
+    run_config: RunConfig | None
+    context: Any
+    max_turns: int
+    tracing: bool
+
+
+async def _pass(
+    agent: Agent[Any], input: str, session: Session, options: _Options
+) -> DurableResult:
+    """One pass of the run under ``session``'s lease (taken, or a worker's claim)."""
+    run_id, store = session.run_id, session.store
     closed = await store.final(run_id)
     if closed is not None:
         await session.settle_closed()
         return _closed(run_id, closed)
     async with session.driving() as held:
-        run = _Run(run_id, store, held, frozenset(idempotent_tools), session.stats)
+        run = _Run(run_id, store, held, options.idempotent_tools, session.stats)
         await run.load()
         durable = run.agent(agent)
         run.check_tools_known()
-        config = run.config(run_config or RunConfig(), tracing=tracing)
+        config = run.config(options.run_config or RunConfig(), tracing=options.tracing)
         return await _drive(
-            run, durable, input, context=context, max_turns=max_turns, config=config
+            run,
+            durable,
+            input,
+            context=options.context,
+            max_turns=options.max_turns,
+            config=config,
         )
+
+
+class WorkerAgent:
+    """An OpenAI Agents SDK agent as ``asiento worker`` drives it: ``App(agents={"refunds":
+    WorkerAgent(agent)}, gateway=...)``; each claimed run is one ``durable_run`` pass under
+    the claim's lease.
+
+    The worker's process rebuilds the agent: the same instructions, tools, handoffs and
+    model settings as the process that started the run (else ``ReplayDivergence``). The
+    app's gateway is not used: the SDK asks its own models, through the journal.
+    """
+
+    def __init__(
+        self,
+        agent: Agent[Any],
+        *,
+        idempotent_tools: Collection[str] = (),
+        run_config: RunConfig | None = None,
+        context: Any = None,
+        max_turns: int = 10,
+        tracing: bool = False,
+    ) -> None:
+        if not isinstance(agent, Agent):
+            raise UsageError(f"WorkerAgent() takes an agents.Agent, got {type(agent).__name__}")
+        self.agent = agent
+        self.options = _Options(
+            frozenset(idempotent_tools), run_config, context, max_turns, tracing
+        )
+
+    async def run(self, task: str, *, session: Session) -> AsyncIterator[Step]:
+        """The pass's end as the worker counts it: a ``FinalStep``, or the ``ApprovalStep``
+        of the step that waits for a person."""
+        result = await _pass(self.agent, task, session, self.options)
+        async for step in pass_end(
+            session,
+            [result.awaiting] if result.awaiting else [],
+            text=shown(result.final_output),
+            replayed=result.replayed,
+            abandoned=result.abandoned,
+        ):
+            yield step
 
 
 async def _drive(

@@ -37,26 +37,25 @@ from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.settings import ModelSettings
 from pydantic_ai.toolsets import ToolsetTool, WrapperToolset
 
-from .. import step_ids
 from ..errors import (
     AsientoError,
     LeaseLost,
     RunAbandoned,
     UsageError,
 )
-from ..events import ApprovalStep, FinalStep, Lease, Phase, Step, StepEvent
+from ..events import Lease, Step, StepEvent
 from ..journal.base import Checkpointer
-from ..model import ModelRequest, ToolCall
+from ..model import ModelRequest
 from ..payloads import (
     Final,
-    Intent,
 )
 from ..replay import index
 from ..session import RunStats, Session
-from ._pydantic_ai_pass import MESSAGES_KEY, OUTPUT_KEY, Pass, shown
+from ._pydantic_ai_pass import MESSAGES_KEY, OUTPUT_KEY, Pass
 from ._pydantic_ai_records import (
     load_messages,
 )
+from ._worker import pass_end, shown
 
 __all__ = ["DurableResult", "WorkerAgent", "durable_run"]
 
@@ -230,26 +229,14 @@ class WorkerAgent:
         """The pass's end as the worker counts it: a ``FinalStep``, or an ``ApprovalStep``
         for each step that waits for a person."""
         result = await _drive(self.agent, task, session, self.options)
-        for step_id in result.awaiting:
-            intent = next(
-                Intent.from_json(e.payload)
-                for e in await session.store.load_step(session.run_id, step_id)
-                if e.phase is Phase.INTENT
-            )
-            yield ApprovalStep(
-                run_id=session.run_id,
-                step_id=step_id,
-                call=ToolCall(name=intent.tool, arguments=intent.args),
-                fingerprint=intent.fp,
-            )
-        if not result.awaiting:
-            yield FinalStep(
-                run_id=session.run_id,
-                step_id=step_ids.FINAL,
-                text=shown(result.output),
-                replayed=result.replayed,
-                abandoned=result.abandoned,
-            )
+        async for step in pass_end(
+            session,
+            list(result.awaiting),
+            text=shown(result.output),
+            replayed=result.replayed,
+            abandoned=result.abandoned,
+        ):
+            yield step
 
 
 def _closed(agent: Agent[Any, Any], session: Session, final: StepEvent) -> DurableResult:
