@@ -8,6 +8,8 @@ Pydantic AI's deferred approvals are asiento approvals.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -23,7 +25,7 @@ from pydantic_core import to_jsonable_python
 from .. import context, shutdown, step_ids
 from .._canonical import fingerprint, key_header, model_key
 from .._crash import crash_point
-from ..errors import ReplayDivergence, UncertainEffect, UsageError
+from ..errors import AsientoError, ReplayDivergence, UncertainEffect, UsageError
 from ..events import Decision, Lease, Phase, RunStatus, StepEvent
 from ..payloads import SUBMITTED, Approval, Final, Intent, ModelResult, Outcome, Resolution
 from ..replay import Action, Indexed, decide, index, step_state, tool_drift
@@ -37,6 +39,8 @@ from ._pydantic_ai_records import (
     tool_digests,
 )
 from ._worker import shown
+
+log = logging.getLogger("asiento")
 
 OUTPUT_KEY = "pydantic_ai_output"
 MESSAGES_KEY = "pydantic_ai_messages"
@@ -60,11 +64,42 @@ class Pass:
         self.turns = 0  # model requests made or replayed so far: the next is m{turns + 1}
         self.tool_steps: dict[str, str] = {}  # tool call id -> its step id
         self.tool_args: dict[str, dict[str, Any]] = {}  # tool call id -> the model's arguments
+        self.held: list[StepEvent] = []  # a new model answer, for the next commit
+        self.writing = asyncio.Lock()  # commits in the order they were asked for
 
     async def append(self, *events: StepEvent, status: RunStatus | None = None) -> None:
-        await self.store.append(*events, status=status, lease=self.lease)
-        for event in events:
+        """Commit ``events`` in one transaction, after the model answer held for it.
+
+        A model answer waits for what follows it (its first tool's intent and
+        submitted, or the final record), as in the native loop: a model+tool step costs
+        two commits. Parallel tool calls append concurrently; the lock keeps their
+        commits in the order they took the held answer, so an intent is never durable
+        before the answer that asked for it.
+        """
+        batch, self.held = [*self.held, *events], []
+        if not batch:
+            if status is not None:
+                await self.store.set_status(self.run_id, status, lease=self.lease)
+            return
+        async with self.writing:
+            await self.store.append(*batch, status=status, lease=self.lease)
+        for event in batch:
             self.journal.setdefault(event.step_id, {})[event.phase] = event
+        if any(e.phase is Phase.RESULT and step_ids.is_model(e.step_id) for e in batch):
+            crash_point("after_model_result")
+
+    async def keep_paid_answer(self) -> None:
+        """The pass stopped before a commit took the held answer (an error, a shutdown, a
+        validator's failure): record it all the same, so the next pass does not pay it."""
+        try:
+            await self.settle()
+        except AsientoError as exc:
+            log.warning("run %r: could not record the last answer: %s", self.run_id, exc)
+
+    async def settle(self) -> None:
+        """Commit a held model answer now: the pass ends, or asks the model again first."""
+        if self.held:
+            await self.append()
 
     def event(
         self, step_id: str, phase: Phase, payload: Any, decision: Decision | None = None
@@ -74,8 +109,8 @@ class Pass:
         )
 
     def boundary(self, step_id: str) -> None:
-        """Before a step: stop here if a shutdown was requested (every record is durable:
-        this integration writes each one before it goes on)."""
+        """Before a step: stop here if a shutdown was requested (a held model answer is
+        committed as the pass ends: ``settle``)."""
         if shutdown.requested():
             raise shutdown.ShutdownRequested(
                 f"run {self.run_id!r} stopped before {step_id} because a shutdown was "
@@ -99,6 +134,7 @@ class Pass:
         if recorded is not None:
             response = self._replayed(step_id, fp, recorded, parameters)
         else:
+            await self.settle()  # an answer no tool followed (a retry of the output)
             key = model_key(self.run_id, step_id, fp)
             keyed: dict[str, Any] = dict(settings or {})
             keyed["extra_headers"] = dict(keyed.get("extra_headers") or {}) | key_header(key)
@@ -109,8 +145,7 @@ class Pass:
             self.stats.output_tokens += response.usage.output_tokens
             tools = tool_digests(parameters) if step_id == step_ids.model(1) else None
             payload = model_payload(fp, response, tools)
-            await self.append(self.event(step_id, Phase.RESULT, payload))
-            crash_point("after_model_result")
+            self.held.append(self.event(step_id, Phase.RESULT, payload))
         for number, (call_id, args) in enumerate(tool_calls(response), 1):
             self.tool_steps[call_id] = step_ids.tool(step_id, number)
             self.tool_args[call_id] = args
@@ -184,6 +219,7 @@ class Pass:
             )
             return denial.text()
         if action is Action.UNCERTAIN:
+            await self.settle()
             if not await self.store.set_status(
                 self.run_id,
                 RunStatus.UNCERTAIN,
@@ -271,6 +307,7 @@ class Pass:
             await self.append(*new, status=RunStatus.SUSPENDED if awaiting else None)
         if not awaiting:
             return results, ()
+        await self.settle()
         if not new and not await self.store.set_status(
             self.run_id,
             RunStatus.SUSPENDED,

@@ -265,6 +265,7 @@ class _Run:
         self.last_step = ""
         self.running: dict[str, asyncio.Event] = {}  # tool steps executing now
         self.pending: list[StepEvent] = []  # a new answer, recorded with the next commit
+        self.writing = asyncio.Lock()  # commits in the order they took ``pending``
 
     async def load(self) -> None:
         self.journal = index(await self.store.load(self.run_id))
@@ -485,7 +486,8 @@ class _Run:
 
     async def _append(self, *events: StepEvent, status: RunStatus | None = None) -> None:
         batch, self.pending = [*self.pending, *events], []
-        await self.store.append(*batch, status=status, lease=self.lease)
+        async with self.writing:  # parallel calls: no intent durable before its answer
+            await self.store.append(*batch, status=status, lease=self.lease)
         for event in batch:
             self.journal.setdefault(event.step_id, {})[event.phase] = event
         if any(step_ids.is_model(e.step_id) for e in batch):

@@ -149,29 +149,32 @@ async def _drive(
             toolsets = [_JournaledToolset(t, run=run) for t in agent.toolsets]
             asked: str | None = prompt
             history, decided = message_history, None
-            with agent.override(model=wrapped, toolsets=toolsets, tools=[]), _unwrapped():
-                while True:  # each round ends at a deferral the journal has decisions for
-                    result = await agent.run(
-                        asked,
-                        deps=options.deps,
-                        message_history=history,
-                        deferred_tool_results=decided,
-                    )
-                    if not isinstance(result.output, DeferredToolRequests):
-                        break
-                    decided, awaiting = await run.decisions(result.output)
-                    if decided is None:
-                        return DurableResult(
-                            run_id=session.run_id,
-                            output=None,
-                            messages=result.all_messages(),
-                            replayed=False,
-                            stats=session.stats,
-                            awaiting=awaiting,
+            try:
+                with agent.override(model=wrapped, toolsets=toolsets, tools=[]), _unwrapped():
+                    while True:  # each round ends at a deferral the journal has decisions for
+                        result = await agent.run(
+                            asked,
+                            deps=options.deps,
+                            message_history=history,
+                            deferred_tool_results=decided,
                         )
-                    asked, history = None, result.all_messages()
-            messages = result.all_messages()
-            await run.close(result.output, messages)
+                        if not isinstance(result.output, DeferredToolRequests):
+                            break
+                        decided, awaiting = await run.decisions(result.output)
+                        if decided is None:
+                            return DurableResult(
+                                run_id=session.run_id,
+                                output=None,
+                                messages=result.all_messages(),
+                                replayed=False,
+                                stats=session.stats,
+                                awaiting=awaiting,
+                            )
+                        asked, history = None, result.all_messages()
+                messages = result.all_messages()
+                await run.close(result.output, messages)
+            finally:
+                await run.keep_paid_answer()
     except LeaseLost as exc:
         abandoned = await _abandonment(session)
         if abandoned is None:

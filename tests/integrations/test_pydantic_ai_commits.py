@@ -1,0 +1,146 @@
+"""A durable Pydantic AI run commits like a native one: a model answer rides with what follows.
+
+The agent's model is Pydantic AI's in-process ``FunctionModel``: what is counted is the
+COMMIT statements of a real SQLite file, not a provider's traffic.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("pydantic_ai")
+
+from pydantic_ai import Agent, ModelRetry
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelResponse,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+)
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+
+from asiento import Phase, SqliteCheckpointer
+from asiento.integrations.pydantic_ai import durable_run
+
+asked: list[int] = []
+
+
+def _answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+    asked.append(len(messages))
+    if any(isinstance(p, ToolReturnPart) for m in messages for p in m.parts):
+        return ModelResponse(parts=[TextPart("refunded A1")])
+    return ModelResponse(parts=[ToolCallPart("refund", {"order": "A1"}, tool_call_id="c1")])
+
+
+def _agent() -> Agent[None, str]:
+    agent = Agent(FunctionModel(_answer), instructions="Refund what you are asked to.")
+
+    @agent.tool_plain
+    def refund(order: str) -> str:
+        """Refund an order."""
+        return f"refunded {order}"
+
+    return agent
+
+
+def _record_commits(store: SqliteCheckpointer) -> list[int]:
+    """From now on, for each COMMIT that wrote journal records, how many it wrote."""
+    commits: list[int] = []
+    inserts = 0
+
+    def seen(sql: str) -> None:
+        nonlocal inserts
+        if sql.lstrip().upper().startswith("INSERT INTO JOURNAL"):
+            inserts += 1
+        elif "COMMIT" in sql.upper() and inserts:
+            commits.append(inserts)
+            inserts = 0
+
+    db: sqlite3.Connection = store._db
+    db.set_trace_callback(seen)
+    return commits
+
+
+async def test_a_model_and_tool_step_costs_two_commits(tmp_path: Path) -> None:
+    """m1's answer is committed with m1.t1's intent and submitted, and m2's with the
+    final record: three commits for the run's six records."""
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        commits = _record_commits(store)
+        result = await durable_run(_agent(), "refund A1", run_id="r1", store=store)
+        assert result.output == "refunded A1"
+        records = [(e.step_id, e.phase) for e in await store.load("r1")]
+        assert records == [
+            ("m1", Phase.RESULT),
+            ("m1.t1", Phase.INTENT),
+            ("m1.t1", Phase.SUBMITTED),
+            ("m1.t1", Phase.RESULT),
+            ("m2", Phase.RESULT),
+            ("final", Phase.RESULT),
+        ]
+        assert commits == [3, 1, 2]  # (m1, intent, submitted), the result, (m2, final)
+    finally:
+        await store.close()
+
+
+async def test_an_answer_no_commit_took_is_kept_when_the_pass_fails(tmp_path: Path) -> None:
+    """The output validator fails the pass after m1's answer, before anything follows
+    it: the answer is recorded all the same, and the next pass does not ask again."""
+    asked.clear()
+
+    def text_only(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        asked.append(len(messages))
+        return ModelResponse(parts=[TextPart("done")])
+
+    failing: Agent[None, str] = Agent(FunctionModel(text_only), instructions="Say done.")
+
+    @failing.output_validator
+    def _refuse(output: str) -> str:
+        raise RuntimeError("the validator's own bug")
+
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        with pytest.raises(RuntimeError, match="validator's own bug"):
+            await durable_run(failing, "finish", run_id="r2", store=store)
+        assert [(e.step_id, e.phase) for e in await store.load("r2")] == [("m1", Phase.RESULT)]
+        fixed: Agent[None, str] = Agent(FunctionModel(text_only), instructions="Say done.")
+        result = await durable_run(fixed, "finish", run_id="r2", store=store)
+        assert result.output == "done"
+        assert len(asked) == 1  # paid once, replayed on the second pass
+        assert result.stats.model_calls_replayed == 1
+    finally:
+        await store.close()
+
+
+async def test_a_retried_output_commits_the_first_answer_before_asking_again(
+    tmp_path: Path,
+) -> None:
+    """A validator's ``ModelRetry`` asks the model again with no tool between: the
+    first answer is durable before the second request goes out."""
+    seen_at_second_ask: list[list[str]] = []
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+
+    async def answers(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        if len(messages) > 1:
+            seen_at_second_ask.append([e.step_id for e in await store.load("r3")])
+            return ModelResponse(parts=[TextPart("better")])
+        return ModelResponse(parts=[TextPart("first")])
+
+    agent: Agent[None, str] = Agent(FunctionModel(answers), instructions="Answer.")
+
+    @agent.output_validator
+    def _once(output: str) -> str:
+        if output == "first":
+            raise ModelRetry("try again")
+        return output
+
+    try:
+        result = await durable_run(agent, "answer", run_id="r3", store=store)
+        assert result.output == "better"
+        assert seen_at_second_ask == [["m1"]]
+    finally:
+        await store.close()
