@@ -14,7 +14,17 @@ from typing import Any
 
 import pytest
 
-from asiento import Agent, FinalStep, ModelRequest, Quota, Session, SqliteCheckpointer, UsageError
+from asiento import (
+    Agent,
+    FinalStep,
+    ModelRequest,
+    Quota,
+    RunStatus,
+    Session,
+    SqliteCheckpointer,
+    UsageError,
+    shutdown,
+)
 from asiento.gateways import AnthropicGateway, OpenAIGateway
 from asiento.gateways.quota import estimate_tokens
 from asiento.model import Message
@@ -234,3 +244,52 @@ def test_a_bad_limit_is_a_usage_error_that_names_it(bad: dict[str, Any]) -> None
     (name,) = bad
     with pytest.raises(UsageError, match=name):
         Quota(**bad)
+
+
+# -- shutdown -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def clean_shutdown() -> Iterator[None]:
+    shutdown.reset()
+    yield
+    shutdown.reset()
+
+
+@pytest.mark.parametrize("limit", [{"max_concurrent": 1}, {"requests_per_minute": 30, "window": 2}])
+async def test_runs_waiting_in_a_quota_stop_at_a_shutdown_and_resume_later(
+    server: CountingProvider, tmp_path: Path, limit: dict[str, Any], clean_shutdown: None
+) -> None:
+    """A wait in a quota started nothing, so it is not a step in flight: a shutdown
+    ends it at once (``ShutdownRequested``), nothing reaches the server, the lease is
+    given back, and the run resumes later and is answered once."""
+    quota = Quota(**limit)
+    client = _client("openai", server.url)
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    agent = Agent(instructions="answer")
+
+    async def run() -> list[Any]:
+        session = Session("waiting", _gateway("openai", client, quota), store)
+        return [step async for step in agent.run("hi", session=session)]
+
+    try:
+        async with quota.slot():  # another run holds the only place this minute
+            waiting = asyncio.create_task(run())
+            await asyncio.sleep(GRACE)
+            assert not waiting.done()
+            shutdown.request()
+            async with asyncio.timeout(10):  # before the fix: waits for the place, forever
+                with pytest.raises(shutdown.ShutdownRequested, match="waiting in a Quota"):
+                    await waiting
+        assert server.arrived() == 0
+        info = await store.run("waiting")
+        assert info is not None
+        assert info.status is RunStatus.RUNNING
+        assert info.lease_owner is None  # given back: any worker may resume it
+        shutdown.reset()
+        resumed = await asyncio.wait_for(run(), 30)  # the window (2 s) may hold it still
+        assert isinstance(resumed[-1], FinalStep)
+        assert server.arrived() == 1
+    finally:
+        await store.close()
+        await client.close()

@@ -26,6 +26,7 @@ from asiento import (
     RateLimited,
     RateLimitPolicy,
     UsageError,
+    shutdown,
 )
 from asiento.gateways import AnthropicGateway, ModelUnavailable, OpenAIGateway
 from asiento.gateways.rate_limit import retry_after
@@ -119,6 +120,27 @@ async def test_retry_after_is_waited_for(provider: FakeProvider) -> None:
     assert answer.rate_limited == 1
     first, second = provider.requests
     assert second.at - first.at >= 0.9
+
+
+async def test_a_shutdown_ends_the_wait_before_a_429s_retry(provider: FakeProvider) -> None:
+    """The provider refused the request and asked for 60 s: nothing is in flight, so a
+    shutdown ends the wait at once, and the refused request is not sent again."""
+    provider.fail_next(1, 429, {"retry-after": "60"})
+    shutdown.reset()
+    try:
+        async with make("openai", provider, rate_limits=FAST) as gw:
+            asking = asyncio.create_task(gw.complete(REQUEST, idempotency_key="run:m1:f"))
+            async with asyncio.timeout(10):
+                while len(provider.requests) < 1:
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            shutdown.request()
+            async with asyncio.timeout(10):  # before the fix: the whole 60 s
+                with pytest.raises(shutdown.ShutdownRequested, match="retry a 429"):
+                    await asking
+    finally:
+        shutdown.reset()
+    assert len(provider.requests) == 1
 
 
 def test_the_wait_follows_retry_after_ms_then_retry_after_and_is_capped() -> None:

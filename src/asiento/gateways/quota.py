@@ -13,7 +13,9 @@ output tokens it allows) and the reservation is corrected to the usage the
 provider reports once it answers; a 429 gives its tokens back (the provider
 did not process it). A request waits on the event loop (``asyncio.sleep``),
 never blocking it; waiters are served in arrival order; a waiter cancelled
-before it is admitted has taken nothing.
+before it is admitted has taken nothing, and a shutdown request ends every wait
+with ``ShutdownRequested`` (a waiter has sent nothing: its run stops before the
+step, resumable).
 
 asyncio primitives belong to one event loop, so the semaphore and the queue of
 waiters are kept per loop; the windows are shared by every loop of the process.
@@ -32,11 +34,13 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+from .. import shutdown
 from ..errors import UsageError
 
 #: The request fields that bound a model's output tokens (Anthropic, Chat Completions, Responses).
 OUTPUT_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 CHARS_PER_TOKEN = 4
+_WAITING = "waiting in a Quota (nothing was sent)"
 
 
 def estimate_tokens(params: Mapping[str, Any]) -> int:
@@ -155,8 +159,14 @@ class Quota:
         semaphore = self._semaphores.get(loop)
         if semaphore is None:
             semaphore = self._semaphores[loop] = asyncio.Semaphore(self.max_concurrent)
-        async with semaphore:
+        if semaphore.locked():
+            await shutdown.before_stop(semaphore.acquire(), _WAITING)
+        else:
+            await semaphore.acquire()
+        try:
             yield await self._admit(loop, tokens)
+        finally:
+            semaphore.release()
 
     async def _admit(self, loop: asyncio.AbstractEventLoop, tokens: int) -> Reservation:
         """Wait (first come, first served) until the windows have room; nothing held till then."""
@@ -167,7 +177,11 @@ class Quota:
             queue = self._queues[loop] = asyncio.Lock()
             self._wakers[loop] = asyncio.Event()
         woken = self._wakers[loop]
-        async with queue:
+        if queue.locked():
+            await shutdown.before_stop(queue.acquire(), _WAITING)
+        else:
+            await queue.acquire()
+        try:
             while True:
                 admitted = self._try_admit(tokens)
                 if not isinstance(admitted, float):
@@ -175,7 +189,9 @@ class Quota:
                 woken.clear()
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(admitted):  # or sooner, when tokens come back
-                        await woken.wait()
+                        await shutdown.before_stop(woken.wait(), _WAITING)
+        finally:
+            queue.release()
 
     def _try_admit(self, tokens: int) -> list[float] | float:
         """The request's entry once admitted (appended to the window), else seconds to wait."""

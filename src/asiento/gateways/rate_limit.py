@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
+from .. import shutdown
 from ..errors import UsageError
 from ..model import ModelResponse
 from ._errors import RateLimited, rate_limited
@@ -114,7 +115,8 @@ async def holding(
             else:
                 yield Sent(value, reservation, retry)
                 return
-        await asyncio.sleep(policy.wait(retry, headers))
+        pause = asyncio.sleep(policy.wait(retry, headers))
+        await shutdown.before_stop(pause, "waiting to retry a 429 (the provider refused it)")
     raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
 
