@@ -26,7 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -49,6 +52,7 @@ from asiento.proxy import create_app
 
 PLAZO = 120.0  # no path may take longer than this in all
 BLOCK = 10  # streams per path in a row: each path's connection stays warm, as in use
+PATHS = ("direct", "run", "pass", "proxy")
 
 
 def chat_app(chunks: int) -> Starlette:
@@ -75,10 +79,15 @@ def chat_app(chunks: int) -> Starlette:
 
 
 @contextmanager
-def serving(app: Any) -> Iterator[str]:
-    """``app`` on a free 127.0.0.1 port, in a thread; its base URL."""
+def serving(app: Any, *, http: str = "h11", loop: str = "asyncio") -> Iterator[str]:
+    """``app`` on a free 127.0.0.1 port, in a thread; its base URL.
+
+    The server's HTTP parser and event loop are named, never ``auto``: installing
+    httptools or uvloop must not change what the baseline measures.
+    """
     sock = listening_socket("127.0.0.1", 0, backlog=128)  # TCP_NODELAY, as asiento's servers
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    config = uvicorn.Config(app, log_level="warning", lifespan="on", http=http, loop=loop)
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -91,12 +100,30 @@ def serving(app: Any) -> Iterator[str]:
         thread.join(timeout=10)
 
 
-async def direct(client: openai.AsyncOpenAI, key: str) -> tuple[float, float]:
+@contextmanager
+def gateway_process(upstream: str, db: Path) -> Iterator[str]:
+    """``asiento gateway`` as its own process, as it is deployed; its base URL."""
+    command = [sys.executable, "-m", "asiento", "gateway", "--upstream", upstream]
+    command += ["--db", str(db), "--port", "0"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stderr is not None
+        line = process.stderr.readline()  # "asiento gateway: http://127.0.0.1:PORT/v1 -> ..."
+        found = re.search(r"(http://\S+)/v1 ", line)
+        if found is None:
+            raise RuntimeError(f"asiento gateway did not start: {line}{process.stderr.read()}")
+        yield found.group(1)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+async def direct(client: openai.AsyncOpenAI, key: str | None) -> tuple[float, float]:
     start = time.perf_counter()
     first = None
     stream = await client.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
-        extra_headers={"Idempotency-Key": key},
+        extra_headers={"Idempotency-Key": key} if key else None,
     )  # fmt: skip
     async for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -132,7 +159,7 @@ def summary(name: str, samples: list[tuple[float, float]], base: list[tuple[floa
 async def measure(
     url: str, proxy_url: str, db: Path, n: int
 ) -> dict[str, list[tuple[float, float]]]:
-    results: dict[str, list[tuple[float, float]]] = {"direct": [], "run": [], "proxy": []}
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in PATHS}
     deadline = time.monotonic() + PLAZO
     store = SqliteCheckpointer(db)  # one journal, as a worker has: a new run each time
     async with (
@@ -143,6 +170,7 @@ async def measure(
         paths: dict[str, Callable[[int], Any]] = {
             "direct": lambda i: direct(straight, f"d{i}"),
             "run": lambda i: through_run(gateway, store, f"run-{i}"),
+            "pass": lambda i: direct(proxied, None),
             "proxy": lambda i: direct(proxied, f"p{i}"),
         }
         for path in paths.values():  # warm each path once: connections, imports
@@ -162,11 +190,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="30 streams per path")
     parser.add_argument("--streams", type=int, default=200, help="streams per path")
     parser.add_argument("--chunks", type=int, default=50, help="text chunks per stream")
+    parser.add_argument(
+        "--proxy-in-thread",
+        action="store_true",
+        help="serve the proxy in a thread of this process (h11, asyncio) instead of as an "
+        "`asiento gateway` process: the GIL is then shared with the client and the server",
+    )
     args = parser.parse_args(argv)
     n = 30 if args.quick else args.streams
     with tempfile.TemporaryDirectory() as tmp, serving(chat_app(args.chunks)) as url:
-        proxy_app = create_app(url + "/v1", db=Path(tmp) / "keys.db")
-        with serving(proxy_app) as proxy_url:
+        keys = Path(tmp) / "keys.db"
+        proxy = serving(create_app(url + "/v1", db=keys)) if args.proxy_in_thread else None
+        with proxy or gateway_process(url + "/v1", keys) as proxy_url:
             results = asyncio.run(measure(url, proxy_url, Path(tmp) / "runs.db", n))
     base = results["direct"]
     print(f"== Time to first token, {len(base)} streams per path, {args.chunks} chunks each (ms)")
