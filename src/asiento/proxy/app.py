@@ -679,7 +679,7 @@ def server_options() -> tuple[str, str]:
 
     Every streamed answer crosses the proxy, so its hop is on each first token:
     httptools parses requests in C where h11 parses them in Python, and uvloop is
-    the leaner loop (the proxy spends about a fifth less CPU a stream; figures in
+    the leaner loop (the proxy spent a tenth less CPU a stream here; figures in
     docs/performance.md). Both come with the ``gateway`` extra; uvloop has no
     Windows build, and there the loop is asyncio's.
     """
