@@ -704,15 +704,21 @@ def wait_until(condition: Callable[[], bool], *, timeout: float = 20.0) -> None:
 
 
 class AsgiServer:
-    """An ASGI app served by uvicorn on 127.0.0.1 (a free port), in a thread."""
+    """An ASGI app (the proxy) served by uvicorn on 127.0.0.1 (a free port), in a thread.
+
+    With the HTTP parser and loop ``asiento gateway`` serves the proxy with.
+    """
 
     def __init__(self, app: Any) -> None:
         import uvicorn
 
+        from asiento.proxy.app import server_options
+
         self.app = app
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
-        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+        http, loop = server_options()
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", http=http, loop=loop)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True

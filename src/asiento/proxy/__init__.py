@@ -1,4 +1,5 @@
-"""``asiento gateway``: the idempotency proxy (needs the ``gateway`` extra: starlette, uvicorn)."""
+"""``asiento gateway``: the idempotency proxy (needs the ``gateway`` extra: starlette, uvicorn,
+httptools, uvloop)."""
 
 from .app import (
     DEFAULT_LEASE,

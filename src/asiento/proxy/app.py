@@ -360,10 +360,11 @@ class IdempotencyProxy:
                     return _reused(key)
                 self.stats.streams_attached += 1
                 return await live.response(_ATTACHED)
-            claim = await asyncio.to_thread(self.store.claim, scope, key, fp)
+            claim, sent = await self._claim_and_build(request, body, (scope, key), fp)
             if claim.kind == "new":
                 live = self._live[(scope, key)] = Recording(path, fp)
-                self._spawn(self._record(request, body, (scope, key), claim.token, live))
+                recording = self._record(request, body, sent, (scope, key), claim.token, live)
+                self._spawn(recording)
                 return await live.response(_RECORDING)
             if claim.kind == "done" and claim.stored is not None:
                 self.stats.replayed += 1
@@ -375,8 +376,32 @@ class IdempotencyProxy:
                 return _still_in_flight(key)
             await asyncio.sleep(POLL)
 
-    async def _record(
-        self, request: Request, body: bytes, ident: tuple[str, str], token: str, live: Recording
+    async def _claim_and_build(
+        self, request: Request, body: bytes, ident: tuple[str, str], fp: str
+    ) -> tuple[Claim, httpx.Request]:
+        """The key's claim, and the upstream request built while the claim commits.
+
+        The loop would only wait for the claim's fsync; the request is sent once the
+        claim is on disk (by ``_record``), never before.
+        """
+        claiming = asyncio.ensure_future(asyncio.to_thread(self.store.claim, *ident, fp))
+        try:
+            sent = self._build(request, body)
+        except BaseException:
+            claim = await claiming
+            if claim.kind == "new":  # nothing will be sent: a retry asks upstream again
+                await asyncio.to_thread(self.store.release, *ident, claim.token)
+            raise
+        return await claiming, sent
+
+    async def _record(  # noqa: PLR0917 (one call site; each argument is the stream's)
+        self,
+        request: Request,
+        body: bytes,
+        sent: httpx.Request,
+        ident: tuple[str, str],
+        token: str,
+        live: Recording,
     ) -> None:
         """Read upstream's stream to its end for every client of the key; keep it if whole.
 
@@ -388,15 +413,16 @@ class IdempotencyProxy:
         kept, plain = False, None
         try:
             async with self.quota.slot(_estimate(self.quota, body)) as reservation:
-                plain, status, headers = await self._read_stream(request, body, live)
+                plain, status, headers = await self._read_stream(sent, live)
             whole = live.whole()
             if status == 429:
                 reservation.refund()
             if plain is None and whole is not None:
                 answer = Stored(status, headers, whole)
-                assembled = plain_from_stream(request.url.path, whole)
-                if assembled is not None:
-                    _settle(reservation, request.url.path, Stored(status, {}, assembled))
+                if self.quota.tokens_per_minute is not None:  # else usage settles nothing
+                    assembled = plain_from_stream(request.url.path, whole)
+                    if assembled is not None:
+                        _settle(reservation, request.url.path, Stored(status, {}, assembled))
                 await asyncio.to_thread(self.store.finish, scope, key, token, answer)
                 kept = True
                 self.stats.streams_recorded += 1
@@ -412,15 +438,14 @@ class IdempotencyProxy:
                 self._live.pop(ident, None)
 
     async def _read_stream(
-        self, request: Request, body: bytes, live: Recording
+        self, sent: httpx.Request, live: Recording
     ) -> tuple[Response | None, int, dict[str, str]]:
         """Upstream's stream into ``live`` within ``upstream_timeout``, or its plain answer.
 
         Returns the plain answer (None once streaming began), the status and headers.
         """
-        url, headers = self._upstream_request(request)
+        url = str(sent.url)
         self.stats.upstream_calls += 1
-        sent = self.client.build_request(request.method, url, content=body, headers=headers)
         try:
             async with asyncio.timeout(self.upstream_timeout):
                 upstream = await self.client.send(sent, stream=True)
@@ -532,6 +557,11 @@ class IdempotencyProxy:
             raise
         return PassedThrough(upstream, _RESPONSE_DROP, on_close=held.aclose)
 
+    def _build(self, request: Request, body: bytes) -> httpx.Request:
+        """The upstream request for ``request``, not yet sent."""
+        url, headers = self._upstream_request(request)
+        return self.client.build_request(request.method, url, content=body, headers=headers)
+
     def _upstream_request(self, request: Request) -> tuple[str, dict[str, str]]:
         url = self.upstream + request.url.path.removeprefix("/v1")
         if request.url.query:
@@ -636,8 +666,34 @@ def serve(
         file=sys.stderr,
         flush=True,
     )
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=int(wait))
+    http, loop = server_options()
+    config = uvicorn.Config(
+        app, log_level=log_level, timeout_graceful_shutdown=int(wait), http=http, loop=loop
+    )
     uvicorn.Server(config).run(sockets=[sock])
+
+
+def server_options() -> tuple[str, str]:
+    """The proxy's HTTP parser and event loop (uvicorn's ``http``, ``loop``): httptools
+    and uvloop, named, never ``auto``.
+
+    Every streamed answer crosses the proxy, so its hop is on each first token:
+    httptools parses requests in C where h11 parses them in Python, and uvloop is
+    the leaner loop (the proxy spent a tenth less CPU a stream here; figures in
+    docs/performance.md). Both come with the ``gateway`` extra; uvloop has no
+    Windows build, and there the loop is asyncio's.
+    """
+    try:
+        import httptools  # noqa: F401
+    except ImportError as exc:
+        raise ProxyError(
+            f"asiento gateway needs httptools: pip install 'asiento[gateway]' ({exc})"
+        ) from None
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "httptools", "asyncio"
+    return "httptools", "uvloop"
 
 
 _RECORDING = {"asiento-gateway": "recorded-stream"}

@@ -505,4 +505,6 @@ def serve(
     does = "to decide" if open_reading else "to read and decide"
     print(f"token: {token_shown or token} (log in at {url}login {does})", file=sys.stderr)
     print(f"mode: {OPEN_MODE if open_reading else TOKEN_MODE}", file=sys.stderr, flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
+    # Named, not "auto": the gateway extra's httptools and uvloop are the proxy's choice.
+    config = uvicorn.Config(app, log_level=log_level, http="h11", loop="asyncio")
+    uvicorn.Server(config).run(sockets=[sock])
