@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import importlib.util
 import json
 import os
 import statistics
@@ -37,8 +39,10 @@ import tarfile
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import psycopg
@@ -65,13 +69,22 @@ def _script(steps: int) -> Any:
 
 
 def _updates(dsn: str) -> tuple[int, int]:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_stat_clear_snapshot()")
-        row = conn.execute(
-            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
-            " WHERE relname = 'runs' AND schemaname = current_schema()"
-        ).fetchone()
-    return (0, 0) if row is None else (int(row[0]), int(row[1]))
+    """``runs``'s (updates, HOT updates), read by this checkout's ``hot_updates``."""
+    hot_updates: Callable[[str], tuple[int, int]] = _this_checkouts_postgres().hot_updates
+    return hot_updates(dsn)
+
+
+@functools.cache
+def _this_checkouts_postgres() -> ModuleType:
+    """This checkout's ``asiento.testing.postgres``, loaded from its file: the child's
+    ``asiento`` may be the code before, which has no ``hot_updates``."""
+    path = ROOT / "src" / "asiento" / "testing" / "postgres.py"
+    spec = importlib.util.spec_from_file_location("asiento.testing._postgres_now", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _settled(dsn: str, at_least: int) -> tuple[int, int]:

@@ -14,19 +14,19 @@ Each process counts what it did in fsynced files; this script only reads them.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import tempfile
 from pathlib import Path
 
 from _medir import (
     CountingGateway,
-    child,
     ending,
     lines,
     model_calls,
+    pass_child,
     report,
     reported,
+    run_pass,
     table,
     tally,
     verdict,
@@ -70,15 +70,13 @@ async def vuelta(db: Path, work: Path, n: int) -> None:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--vuelta"]:
-        asyncio.run(vuelta(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])))
+    if run_pass(vuelta):
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        db = work / "runs.db"
         measured = {}
         for n, crash_at in ((1, "inside_model_call@2"), (2, None), (3, None)):
-            proc = child(__file__, "--vuelta", str(db), tmp, str(n), crash_at=crash_at)
+            proc = pass_child(__file__, work, n, crash_at=crash_at)
             ended = (reported(proc) or {}).get("ended", ending(proc))
             tools = len(lines(work / f"tool.{n}"))
             measured[n] = (model_calls(work / f"model.{n}"), tools, ended)

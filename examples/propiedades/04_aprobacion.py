@@ -25,8 +25,10 @@ from _medir import (
     ending,
     lines,
     model_calls,
+    pass_child,
     report,
     reported,
+    run_pass,
     table,
     tally,
     verdict,
@@ -102,7 +104,7 @@ async def aprobar(db: Path, fingerprint: str) -> None:
 
 def medir_vuelta(work: Path, n: int) -> tuple[tuple[object, ...], tuple[object, ...], str]:
     """Pass ``n`` in a new process: its table row, what was measured, the fingerprint shown."""
-    proc = child(__file__, "--vuelta", str(work / "runs.db"), str(work), str(n))
+    proc = pass_child(__file__, work, n)
     seen = reported(proc) or {"steps": ending(proc), "status": [], "fp": []}
     measured = (model_calls(work / f"model.{n}"), len(lines(work / f"tool.{n}")), seen["steps"])
     row = (f"pass {n}", measured[0], measured[1], ",".join(seen["status"]), seen["steps"])
@@ -118,8 +120,7 @@ def aprobar_en_otro_proceso(work: Path, fingerprint: str) -> tuple[tuple[object,
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--vuelta"]:
-        asyncio.run(vuelta(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])))
+    if run_pass(vuelta):
         return 0
     if sys.argv[1:2] == ["--aprobar"]:
         asyncio.run(aprobar(Path(sys.argv[2]), sys.argv[3]))

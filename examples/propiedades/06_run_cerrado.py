@@ -13,19 +13,19 @@ with a new gateway and counts its calls.
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import tempfile
 from pathlib import Path
 
 from _medir import (
     CountingGateway,
-    child,
     ending,
     lines,
     model_calls,
+    pass_child,
     report,
     reported,
+    run_pass,
     table,
     tally,
     verdict,
@@ -82,14 +82,13 @@ def nombre(paso: Step) -> str:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--vuelta"]:
-        asyncio.run(vuelta(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])))
+    if run_pass(vuelta):
         return 0
     rows, seen = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for n in (1, 2):
-            proc = child(__file__, "--vuelta", str(work / "runs.db"), tmp, str(n))
+            proc = pass_child(__file__, work, n)
             seen[n] = reported(proc) or {"steps": [ending(proc)], "text": None, "timeline": 0}
             measured = (model_calls(work / f"model.{n}"), len(lines(work / f"tool.{n}")))
             seen[n]["calls"] = measured

@@ -18,7 +18,6 @@ Each process counts the generations it started in an fsynced file.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import sys
@@ -27,7 +26,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from _medir import child, ending, lines, report, reported, table, tally, verdict
+from _medir import ending, lines, pass_child, report, reported, run_pass, table, tally, verdict
 
 from asiento import (
     Agent,
@@ -87,14 +86,13 @@ async def vuelta(db: Path, work: Path, n: int) -> None:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--vuelta"]:
-        asyncio.run(vuelta(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])))
+    if run_pass(vuelta):
         return 0
     rows, seen = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for n in (1, 2, 3):
-            proc = child(__file__, "--vuelta", str(work / "runs.db"), tmp, str(n))
+            proc = pass_child(__file__, work, n)
             got = reported(proc) or {"seen": [ending(proc)], "text": "", "final": None}
             got["calls"] = len(lines(work / f"model.{n}", "sent "))
             seen[n] = got

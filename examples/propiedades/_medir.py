@@ -9,12 +9,13 @@ A crash is real: the script starts itself again as a child process armed with
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,21 @@ def child(script: str, *args: str, crash_at: str | None = None) -> subprocess.Co
         env[ENV_VAR] = crash_at
     argv = [sys.executable, script, *args]
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, check=False)
+
+
+def run_pass(vuelta: Callable[[Path, Path, int], Awaitable[None]]) -> bool:
+    """In a process ``pass_child`` started: run ``vuelta(db, work, n)`` and say so (True)."""
+    if sys.argv[1:2] != ["--vuelta"]:
+        return False
+    asyncio.run(vuelta(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4])))
+    return True
+
+
+def pass_child(
+    script: str, work: Path, n: int, *, crash_at: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Pass ``n`` of ``script`` in a new process, on ``work``'s ``runs.db`` (``run_pass``)."""
+    return child(script, "--vuelta", str(work / "runs.db"), str(work), str(n), crash_at=crash_at)
 
 
 def ending(proc: subprocess.CompletedProcess[str]) -> str:

@@ -408,13 +408,9 @@ def _asiento(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("approved", [True, False], ids=["approved", "denied"])
-async def test_needs_approval_waits_for_a_person_from_the_cli(
-    tmp_path: Path, clients: list[openai.AsyncOpenAI], *, approved: bool
-) -> None:
-    """A tool with needs_approval suspends the run; approved from the CLI it runs exactly
-    once, denied the model is told so; a closed run then runs nothing."""
-    sent: list[int] = []
+def _wire_money(sent: list[int], amount: int) -> tuple[agents.FunctionTool, tuple[Answer, ...]]:
+    """A ``wire_money`` tool that needs approval, each real run appended to ``sent``, and
+    the script that calls it once for ``amount``, then says "finished"."""
 
     @function_tool(needs_approval=True)
     def wire_money(amount: int) -> str:
@@ -422,7 +418,18 @@ async def test_needs_approval_waits_for_a_person_from_the_cli(
         sent.append(amount)
         return "sent"
 
-    script = (Answer(calls=(("wire_money", {"amount": 100}),)), Answer(text="finished"))
+    script = (Answer(calls=(("wire_money", {"amount": amount}),)), Answer(text="finished"))
+    return wire_money, script
+
+
+@pytest.mark.parametrize("approved", [True, False], ids=["approved", "denied"])
+async def test_needs_approval_waits_for_a_person_from_the_cli(
+    tmp_path: Path, clients: list[openai.AsyncOpenAI], *, approved: bool
+) -> None:
+    """A tool with needs_approval suspends the run; approved from the CLI it runs exactly
+    once, denied the model is told so; a closed run then runs nothing."""
+    sent: list[int] = []
+    wire_money, script = _wire_money(sent, 100)
     db = tmp_path / "runs.db"
     with FakeProvider(script) as provider:
         agent = Agent(name="payer", model=_model(provider, clients), tools=[wire_money])
@@ -629,12 +636,7 @@ async def test_an_approval_given_while_the_pass_replays_is_not_overwritten(
     sent: list[int] = []
     approve_now: list[bool] = []
     db = tmp_path / "runs.db"
-
-    @function_tool(needs_approval=True)
-    def wire_money(amount: int) -> str:
-        """Send money."""
-        sent.append(amount)
-        return "sent"
+    wire_money, script = _wire_money(sent, 5)
 
     async def instructions(ctx: Any, agent: Any) -> str:
         if approve_now:  # another person, another connection, mid-pass
@@ -646,7 +648,6 @@ async def test_an_approval_given_while_the_pass_replays_is_not_overwritten(
                 await other.close()
         return "You send money."
 
-    script = (Answer(calls=(("wire_money", {"amount": 5}),)), Answer(text="finished"))
     with FakeProvider(script) as provider:
         agent = Agent(
             name="payer", instructions=instructions, model=_model(provider, clients),
@@ -676,14 +677,7 @@ async def test_asiento_worker_drives_sdk_runs_submitted_and_suspended_on_an_appr
     from asiento.worker import App, Worker
 
     sent: list[int] = []
-
-    @function_tool(needs_approval=True)
-    def wire_money(amount: int) -> str:
-        """Send money."""
-        sent.append(amount)
-        return "sent"
-
-    script = (Answer(calls=(("wire_money", {"amount": 100}),)), Answer(text="finished"))
+    wire_money, script = _wire_money(sent, 100)
     db = tmp_path / "runs.db"
     with FakeProvider(script) as provider:
         agent = Agent(name="payer", model=_model(provider, clients), tools=[wire_money])

@@ -36,6 +36,7 @@ from asiento.journal import _sqlite_schema as sqlite_schema
 from asiento.journal.postgres import PostgresCheckpointer
 from asiento.lease import Holder
 from asiento.testing import ScriptedGateway
+from asiento.testing.postgres import hot_updates
 
 # Submitted runs as the previous schema's asiento left them: claims took them by their
 # last update (``updated_at``), which is not the order of their ids nor of their creation.
@@ -211,24 +212,13 @@ async def test_a_plain_append_changes_no_column_an_index_of_runs_reads(pg_dsn: s
         await store.close()
 
 
-def runs_updates(dsn: str) -> tuple[int, int]:
-    """``runs``'s (updates, HOT updates) in pg_stat_user_tables, in the test's schema."""
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_stat_clear_snapshot()")
-        row = conn.execute(
-            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
-            " WHERE relname = 'runs' AND schemaname = current_schema()"
-        ).fetchone()
-    return (0, 0) if row is None else (int(row[0]), int(row[1]))
-
-
 async def settled_updates(dsn: str, at_least: int) -> tuple[int, int]:
     """The counts once the closed backends' statistics reached the view (bounded wait)."""
     deadline = time.monotonic() + 20.0
-    counts = runs_updates(dsn)
+    counts = hot_updates(dsn)
     while counts[0] < at_least and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
-        counts = runs_updates(dsn)
+        counts = hot_updates(dsn)
     return counts
 
 

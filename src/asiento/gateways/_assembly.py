@@ -1,4 +1,8 @@
-"""A streamed answer put back together: the parts as they come, then the body a plain call returns.
+"""A model call's answer as a gateway records it: a plain call's body, or a stream's, rebuilt.
+
+``called`` and ``streamed`` are the one path of a plain and a streamed call:
+sent through the rate-limit policy, the SDK's errors made asiento's (in
+``_sdk_errors``, for both), the answer parsed strictly.
 
 Each provider streams its own events. An assembler reads them one by one (as
 dicts, the way the official SDKs parse them), says which ``StreamPart`` each
@@ -10,15 +14,42 @@ A stream that ends before its last event has no body: it was cut.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, Protocol
 
 from ..model import ModelResponse
 from ..streaming import StreamPart, TextPart, ToolCallPart
-from ._errors import Parser, answer_from, answered, status_error, unavailable
+from ._errors import Parser, answer_from, answered, read_answer, status_error, unavailable
 from .quota import Quota
-from .rate_limit import RateLimitPolicy, holding, settled
+from .rate_limit import RateLimitPolicy, holding, send, settled
+
+
+async def called(
+    attempt: Callable[[], Awaitable[tuple[Any, bytes]]],
+    parse: Parser,
+    *,
+    quota: Quota,
+    policy: RateLimitPolicy,
+    tokens: int,
+    provider: str,
+    key: str,
+    refused: type[Exception],
+    lost: tuple[type[Exception], ...],
+) -> ModelResponse:
+    """One plain call: ``attempt()`` sent through the policy, its answer parsed strictly.
+
+    ``attempt()`` gives the SDK's raw response (its ``request_id`` and ``headers``)
+    and the body it read. The SDK's errors become asiento's as in ``streamed``.
+    """
+    with _sdk_errors(provider, key, refused=refused, lost=lost):
+        sent = await send(
+            attempt, quota=quota, policy=policy, tokens=tokens, provider=provider, key=key
+        )
+    raw, content = sent.value
+    answer = read_answer(parse, content, provider=provider, key=key, request_id=raw.request_id)
+    return answered(settled(kept_if_replayed(answer, raw.headers), sent))
 
 
 async def streamed(
@@ -42,7 +73,7 @@ async def streamed(
     the status, ``lost`` (its connection errors, and the transport's raised mid-stream)
     is ``ModelUnavailable``.
     """
-    try:
+    with _sdk_errors(provider, key, refused=refused, lost=lost):
         async with holding(
             open_stream, quota=quota, policy=policy, tokens=tokens, provider=provider, key=key
         ) as sent:
@@ -53,10 +84,6 @@ async def streamed(
                         yield part
             body = assembler.body()
             headers = getattr(getattr(stream, "response", None), "headers", None)
-    except refused as exc:
-        raise status_error(provider, key, exc) from exc
-    except lost as exc:
-        raise unavailable(provider, key, str(exc)) from exc
     if body is None:
         raise unavailable(provider, key, "the stream ended before its last event (cut short)")
     request_id = _request_id(headers)
@@ -69,6 +96,20 @@ def kept_if_replayed(answer: ModelResponse, headers: Mapping[str, str] | None) -
     if headers and headers.get("idempotent-replayed") == "true":
         return replace(answer, kept=True)
     return answer
+
+
+@contextmanager
+def _sdk_errors(
+    provider: str, key: str, *, refused: type[Exception], lost: tuple[type[Exception], ...]
+) -> Iterator[None]:
+    """The SDK's errors as asiento's: ``refused`` (its status error) says whose fault by the
+    status; ``lost`` (the connection's errors) is ``ModelUnavailable``."""
+    try:
+        yield
+    except refused as exc:
+        raise status_error(provider, key, exc) from exc
+    except lost as exc:
+        raise unavailable(provider, key, str(exc)) from exc
 
 
 def _request_id(headers: Mapping[str, str] | None) -> str | None:

@@ -16,21 +16,11 @@ from .._canonical import key_header
 from ..errors import UsageError
 from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
 from ..streaming import StreamPart
-from ._assembly import MessagesAssembler, kept_if_replayed, streamed
+from ._assembly import MessagesAssembler, called, streamed
 from ._client import OwnedClient, transport_errors
-from ._errors import (
-    answered,
-    invalid,
-    nonempty,
-    read_answer,
-    sdk_missing,
-    status_error,
-    tool_call,
-    unavailable,
-    usage_fields,
-)
+from ._errors import invalid, nonempty, sdk_missing, tool_call, usage_fields
 from .quota import Quota
-from .rate_limit import RateLimitPolicy, send, settled, take_429s
+from .rate_limit import RateLimitPolicy, take_429s
 
 if TYPE_CHECKING:
     from anthropic import AsyncAnthropic
@@ -93,28 +83,17 @@ class AnthropicGateway(OwnedClient):
             )
             return raw, await raw.read()
 
-        try:
-            sent = await send(
-                attempt,
-                quota=self.quota,
-                policy=self.rate_limits,
-                tokens=self.quota.reckon(params),
-                provider=self.provider,
-                key=idempotency_key,
-            )
-        except anthropic.APIStatusError as exc:
-            raise status_error(self.provider, idempotency_key, exc) from exc
-        except anthropic.APIConnectionError as exc:
-            raise unavailable(self.provider, idempotency_key, str(exc)) from exc
-        raw, content = sent.value
-        response = read_answer(
+        return await called(
+            attempt,
             parse_message,
-            content,
+            quota=self.quota,
+            policy=self.rate_limits,
+            tokens=self.quota.reckon(params),
             provider=self.provider,
             key=idempotency_key,
-            request_id=raw.request_id,
+            refused=anthropic.APIStatusError,
+            lost=(anthropic.APIConnectionError,),
         )
-        return answered(settled(kept_if_replayed(response, raw.headers), sent))
 
     def stream(
         self, request: ModelRequest, *, idempotency_key: str

@@ -20,23 +20,13 @@ from ._assembly import (
     Assembler,
     ChatAssembler,
     ResponsesAssembler,
-    kept_if_replayed,
+    called,
     streamed,
 )
 from ._client import OwnedClient, transport_errors
-from ._errors import (
-    answered,
-    invalid,
-    nonempty,
-    read_answer,
-    sdk_missing,
-    status_error,
-    tool_call,
-    unavailable,
-    usage_fields,
-)
+from ._errors import invalid, nonempty, sdk_missing, tool_call, usage_fields
 from .quota import Quota
-from .rate_limit import RateLimitPolicy, send, settled, take_429s
+from .rate_limit import RateLimitPolicy, take_429s
 
 if TYPE_CHECKING:
     from openai import AsyncOpenAI
@@ -102,31 +92,21 @@ class OpenAIGateway(OwnedClient):
             else self.client.responses.with_raw_response.create
         )
 
-        async def attempt() -> Any:
-            return await create(**params, extra_headers=key_header(idempotency_key))
+        async def attempt() -> tuple[Any, bytes]:
+            raw = await create(**params, extra_headers=key_header(idempotency_key))
+            return raw, raw.http_response.content
 
-        try:
-            sent = await send(
-                attempt,
-                quota=self.quota,
-                policy=self.rate_limits,
-                tokens=self.quota.reckon(params),
-                provider=self.provider,
-                key=idempotency_key,
-            )
-        except openai.APIStatusError as exc:
-            raise status_error(self.provider, idempotency_key, exc) from exc
-        except openai.APIConnectionError as exc:
-            raise unavailable(self.provider, idempotency_key, str(exc)) from exc
-        raw = sent.value
-        response = read_answer(
+        return await called(
+            attempt,
             parse_chat if chat else parse_responses,
-            raw.http_response.content,
+            quota=self.quota,
+            policy=self.rate_limits,
+            tokens=self.quota.reckon(params),
             provider=self.provider,
             key=idempotency_key,
-            request_id=raw.request_id,
+            refused=openai.APIStatusError,
+            lost=(openai.APIConnectionError,),
         )
-        return answered(settled(kept_if_replayed(response, raw.headers), sent))
 
     def stream(
         self, request: ModelRequest, *, idempotency_key: str

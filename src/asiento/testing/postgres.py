@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ..errors import AsientoError
 
-__all__ = ["LocalPostgres", "PostgresUnavailable", "start_local_postgres"]
+__all__ = ["LocalPostgres", "PostgresUnavailable", "hot_updates", "start_local_postgres"]
 
 
 class PostgresUnavailable(AsientoError, RuntimeError):
@@ -124,6 +124,24 @@ def start_local_postgres(*, fsync: bool = True, max_connections: int = 100) -> L
             f"could not start PostgreSQL from pgserver ({exc})\n{detail}".rstrip()
         ) from exc
     return server
+
+
+def hot_updates(dsn: str, table: str = "runs") -> tuple[int, int]:
+    """``table``'s (updates, HOT updates) in the DSN's current schema (``pg_stat_user_tables``).
+
+    A backend reports its counts when it is idle or exits, so they lag; the snapshot
+    is cleared so that each call reads them anew. (0, 0) while there are none.
+    """
+    import psycopg  # here: starting a server needs no client library
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables"
+            " WHERE relname = %s AND schemaname = current_schema()",
+            (table,),
+        ).fetchone()
+    return (0, 0) if row is None else (int(row[0]), int(row[1]))
 
 
 def _install_dir() -> Path:
