@@ -264,6 +264,7 @@ class FakeProvider:
 def _handler(provider: FakeProvider) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # else each answer waits ~40 ms for a delayed ACK
 
         def do_POST(self) -> None:
             raw = self.rfile.read(int(self.headers.get("content-length") or 0))
@@ -801,6 +802,7 @@ class CountingProvider:
 def _counting_handler(server: CountingProvider) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True  # else each answer waits ~40 ms for a delayed ACK
 
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("content-length", "0")))
