@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("pydantic_ai")
 
-from asiento import RunStatus, SqliteCheckpointer
+from asiento import Phase, RunStatus, SqliteCheckpointer, idem_key
 from asiento.proxy import create_app
 from asiento.testing import ENV_VAR
 from providers.fake_servers import Answer, AsgiServer, FakeProvider
@@ -409,6 +409,94 @@ def test_an_mcp_tool_killed_before_its_result_follows_the_mcp_table(
     assert resumed is not None
     assert resumed["ended"] == ended
     assert lookups(tmp_path) == runs
+    # Every call carried the step's key, the very same on the resumed call.
+    sent = [line.split()[1] for line in ledger(tmp_path) if line.startswith("lookup ")]
+    assert sent == [idem_key(RUN, "m1.t1", {"city": "Paris"})] * runs
+
+
+# -- MCP toolsets whose servers deduplicate by the key: reconcile, not UncertainEffect ----
+
+TRANSFER = (Answer(calls=(("bank_transfer", {"amount": 5}),)), Answer(text="moved it"))
+
+
+def ledger(tmp_path: Path) -> list[str]:
+    log = tmp_path / "effects.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def transfers(tmp_path: Path) -> list[str]:
+    return [line for line in ledger(tmp_path) if line.startswith("transfer ")]
+
+
+async def _recorded(db: Path, step_id: str) -> dict[Phase, Any]:
+    store = SqliteCheckpointer(db)
+    try:
+        return {e.phase: e.payload for e in await store.load(RUN) if e.step_id == step_id}
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize(
+    ("declared", "why"),
+    [(None, "is not declared to deduplicate by key"), ("0", "idempotency key is")],
+    ids=["not-declared-is-uncertain", "expired-key-is-uncertain"],
+)
+def test_an_mcp_call_killed_before_its_result_is_uncertain_unless_its_key_is_honoured(
+    tmp_path: Path, declared: str | None, why: str
+) -> None:
+    """A non-idempotent MCP tool (behind a prefixed toolset) killed after the server did
+    it: on a toolset not declared to honour keys, or whose key has expired (TTL 0), the
+    resumed run raises UncertainEffect naming why, and nothing is called again."""
+    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5")
+    options += () if declared is None else ("--honours", declared)
+    with FakeProvider(TRANSFER) as provider:
+        assert run_pass(tmp_path, provider.openai_url, *options, crash_at="after_tool") is None
+        resumed = run_pass(tmp_path, provider.openai_url, *options)
+    assert resumed is not None
+    assert resumed["ended"] == "uncertain"
+    assert resumed["step"] == "m1.t1"
+    assert why in resumed["why"]
+    assert len(transfers(tmp_path)) == 1
+
+
+def test_a_declared_key_honouring_mcp_call_killed_before_its_result_is_reconciled(
+    tmp_path: Path,
+) -> None:
+    """The same crash on a toolset declared ``honours_keys``: the resumed run asks the
+    server again under the same key, the server answers from its record (the transfer
+    happened once), and that answer is the step's outcome: the run closes."""
+    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5")
+    options += ("--honours", "3600", "--hook")
+    with FakeProvider(TRANSFER) as provider:
+        assert run_pass(tmp_path, provider.openai_url, *options, crash_at="after_tool") is None
+        resumed = run_pass(tmp_path, provider.openai_url, *options)
+        assert resumed is not None
+        assert resumed["ended"] == "closed", resumed
+        assert (resumed["tool_calls"], resumed["tools_replayed"]) == (0, 1)
+        told = json.dumps(provider.requests[-1].body)
+    key = idem_key(RUN, "m1.t1", {"amount": 5})
+    assert transfers(tmp_path) == [f'transfer {key} tag=from-hook {{"amount": 5}}']
+    records = asyncio.run(_recorded(tmp_path / "runs.db", "m1.t1"))
+    assert records[Phase.INTENT]["idem_key"] == key  # what ``asiento show`` displays
+    assert records[Phase.RESULT]["value"] == "moved 5"
+    assert "moved 5" in told  # the model was handed the server's recorded answer
+    # The user's own hook ran on the first call and on the reconcile (its _meta merged).
+    assert (tmp_path / "effects.log.hook").read_text().split() == ["transfer", "transfer"]
+
+
+def test_the_users_process_tool_call_hook_runs_and_its_metadata_is_merged(
+    tmp_path: Path,
+) -> None:
+    """A toolset with its own ``process_tool_call``: the hook runs, and the server gets
+    the hook's ``_meta`` and the step's key in one request."""
+    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5", "--hook")
+    with FakeProvider(TRANSFER) as provider:
+        done = run_pass(tmp_path, provider.openai_url, *options)
+    assert done is not None
+    assert done["ended"] == "closed"
+    key = idem_key(RUN, "m1.t1", {"amount": 5})
+    assert transfers(tmp_path) == [f'transfer {key} tag=from-hook {{"amount": 5}}']
+    assert (tmp_path / "effects.log.hook").read_text().split() == ["transfer"]
 
 
 # -- structured output and message history, as Pydantic AI documents them --------------------
