@@ -721,3 +721,46 @@ async def test_a_requested_shutdown_stops_between_steps_and_the_run_resumes(
     assert resumed.output == "refunded A1"
     assert (resumed.stats.tool_calls_replayed, ran) == (1, ["A1"])
     assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+
+
+async def test_runs_sharing_one_agent_each_send_their_own_key(tmp_path: Path) -> None:
+    """Three runs of one agent at once, its MCP toolset nested (filtered, prefixed) and
+    with a hook of its own: each call carries its own run's key, and the agent's
+    toolset is left as it was (the key travels in a contextvar, not in the toolset)."""
+    import openai
+    from fastmcp.client.transports import StdioTransport
+    from pydantic_ai import Agent
+    from pydantic_ai.mcp import MCPToolset
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from asiento.integrations.pydantic_ai import durable_run
+
+    async def hook(ctx: Any, call_tool: Any, name: str, tool_args: dict[str, Any]) -> Any:
+        return await call_tool(name, tool_args, metadata={"test/tag": "shared"})
+
+    env = {**os.environ, "MCP_LEDGER": str(tmp_path / "effects.log")}
+    env["MCP_DEDUP"] = str(tmp_path / "keys.db")
+    server = StdioTransport(command=sys.executable, args=[str(MCP_SERVER), "stdio"], env=env)
+    mcp = MCPToolset(server, id="notes", process_tool_call=hook)
+    nested = mcp.prefixed("bank").filtered(lambda ctx, tool: tool.name == "bank_transfer")
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    runs = ["r1", "r2", "r3"]
+    with FakeProvider(TRANSFER) as provider:
+        async with openai.AsyncOpenAI(base_url=provider.openai_url, api_key="sk") as client:
+            model = OpenAIChatModel("gpt-test", provider=OpenAIProvider(openai_client=client))
+            agent = Agent(model, toolsets=[nested])
+            try:
+                async with agent:  # one MCP session, shared by the runs
+                    done = await asyncio.gather(
+                        *(durable_run(agent, "move 5", run_id=r, store=store) for r in runs)
+                    )
+            finally:
+                await store.close()
+    assert [d.output for d in done] == ["moved it"] * 3
+    sent = sorted(transfers(tmp_path))
+    expected = sorted(
+        f'transfer {idem_key(r, "m1.t1", {"amount": 5})} tag=shared {{"amount": 5}}' for r in runs
+    )
+    assert sent == expected
+    assert mcp.process_tool_call is hook

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from fastmcp.exceptions import ToolError
@@ -76,7 +76,7 @@ def keyed_toolset(toolset: AbstractToolset[Any], keyed: set[int]) -> AbstractToo
         if not isinstance(leaf, MCPToolset):
             return leaf
         keyed.add(id(leaf))
-        return _KeyedMcp(leaf)
+        return _KeyedMcp(leaf, keyed=keyed)
 
     return toolset.visit_and_replace(wrap)
 
@@ -121,6 +121,16 @@ async def reconcile_call(
 @dataclass
 class _KeyedMcp(WrapperToolset[Any]):
     """An MCP toolset whose calls inside an asiento tool step carry the step's key."""
+
+    keyed: set[int] = field(default_factory=set, kw_only=True, repr=False)
+
+    async def for_run(self, ctx: RunContext[Any]) -> AbstractToolset[Any]:
+        """A toolset that connects per run (``auth``/``headers`` functions) is a copy
+        for the run: its calls carry the key too."""
+        new = await super().for_run(ctx)
+        if isinstance(new, _KeyedMcp):
+            self.keyed.add(id(new.wrapped))
+        return new
 
     async def call_tool(
         self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: ToolsetTool[Any]

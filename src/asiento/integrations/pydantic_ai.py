@@ -12,7 +12,9 @@ toolsets (``_JournaledToolset``, whose ``call_tool`` goes through the journal):
   parallel calls keep their ids): intent and submitted are durable before it runs,
   and a resumed run follows the replay table, as a native run does: a recorded
   result is fed back, an idempotent tool runs again, any other raises
-  ``UncertainEffect`` for a person to resolve;
+  ``UncertainEffect`` for a person to resolve; an MCP tool's call carries the step's
+  idempotency key, and one of a toolset declared ``honours_keys`` is reconciled by
+  asking its server again under that key (``_pydantic_ai_mcp``);
 - a closed run hands back its recorded output without running anything.
 
 The run holds its lease through a ``Session`` and writes through the same
