@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -764,3 +765,52 @@ async def test_runs_sharing_one_agent_each_send_their_own_key(tmp_path: Path) ->
     )
     assert sent == expected
     assert mcp.process_tool_call is hook
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_server_that_died_during_the_call_is_uncertain_even_when_declared(
+    tmp_path: Path,
+) -> None:
+    """The agent and its MCP server killed while the server runs the call: the server
+    cannot know the call's outcome and says so (``asiento/outcome: unknown``); the
+    declared toolset's resume raises UncertainEffect naming that, and nothing runs again."""
+    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5")
+    options += ("--honours", "3600")
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    env |= {"MCP_HOLD": "transfer", "MCP_GATE": str(tmp_path / "never")}
+    with FakeProvider(TRANSFER) as provider:
+        argv = [
+            sys.executable, str(CHILD), str(tmp_path / "runs.db"), RUN, provider.openai_url,
+            str(tmp_path / "effects.log"), *options,
+        ]  # fmt: skip
+        errors = (tmp_path / "stderr").open("w")
+        child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=errors)
+        try:
+            for _ in range(1500):  # the server applied the transfer and holds it
+                if transfers(tmp_path) or child.poll() is not None:
+                    break
+                threading.Event().wait(0.02)
+            assert transfers(tmp_path), (tmp_path / "stderr").read_text()
+            for pid in _children(child.pid):
+                os.kill(pid, signal.SIGKILL)
+        finally:
+            child.kill()
+            child.wait(timeout=30)
+            errors.close()
+        resumed = run_pass(tmp_path, provider.openai_url, *options)
+    assert resumed is not None
+    assert resumed["ended"] == "uncertain", resumed
+    assert "cannot know the outcome of the first call" in resumed["why"]
+    assert len(transfers(tmp_path)) == 1
