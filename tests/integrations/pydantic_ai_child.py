@@ -78,7 +78,8 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
             honours_keys=None if args.honours is None else {"notes": args.honours},
         )
     except UncertainEffect as exc:
-        return {"ended": "uncertain", "step": exc.step_id, "why": str(exc)}
+        why = {"why": str(exc)} if args.why else {}
+        return {"ended": "uncertain", "step": exc.step_id, **why}
     except ReplayDivergence as exc:
         return {"ended": "divergence", "step": exc.step_id}
     finally:
@@ -123,6 +124,7 @@ def main() -> None:
     parser.add_argument("--trusted", action="store_true", help="trust its annotations")
     parser.add_argument("--honours", type=float, help="its server keeps keys this long (s)")
     parser.add_argument("--hook", action="store_true", help="a process_tool_call hook of ours")
+    parser.add_argument("--why", action="store_true", help="say why a run is uncertain")
     parser.add_argument("--prefix", help="the MCP toolset prefixed (a wrapper around it)")
     parser.add_argument("--retry-once", action="store_true", help="refund raises ModelRetry once")
     parser.add_argument("--anthropic", action="store_true", help="AnthropicModel, not OpenAI")

@@ -448,7 +448,7 @@ def test_an_mcp_call_killed_before_its_result_is_uncertain_unless_its_key_is_hon
     """A non-idempotent MCP tool (behind a prefixed toolset) killed after the server did
     it: on a toolset not declared to honour keys, or whose key has expired (TTL 0), the
     resumed run raises UncertainEffect naming why, and nothing is called again."""
-    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5")
+    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5", "--why")
     options += () if declared is None else ("--honours", declared)
     with FakeProvider(TRANSFER) as provider:
         assert run_pass(tmp_path, provider.openai_url, *options, crash_at="after_tool") is None
@@ -466,7 +466,7 @@ def test_a_declared_key_honouring_mcp_call_killed_before_its_result_is_reconcile
     """The same crash on a toolset declared ``honours_keys``: the resumed run asks the
     server again under the same key, the server answers from its record (the transfer
     happened once), and that answer is the step's outcome: the run closes."""
-    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5")
+    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5", "--why")
     options += ("--honours", "3600", "--hook")
     with FakeProvider(TRANSFER) as provider:
         assert run_pass(tmp_path, provider.openai_url, *options, crash_at="after_tool") is None
@@ -786,7 +786,7 @@ def test_a_server_that_died_during_the_call_is_uncertain_even_when_declared(
     """The agent and its MCP server killed while the server runs the call: the server
     cannot know the call's outcome and says so (``asiento/outcome: unknown``); the
     declared toolset's resume raises UncertainEffect naming that, and nothing runs again."""
-    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5")
+    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5", "--why")
     options += ("--honours", "3600")
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
     env |= {"MCP_HOLD": "transfer", "MCP_GATE": str(tmp_path / "never")}
