@@ -6,7 +6,9 @@ backends wrap theirs) in ``_KeyedMcp``, whose ``call_tool`` sends the step's
 idempotency key in the request's ``_meta`` (``asiento/idempotency-key``). The key
 comes from the tool step through a contextvar (``_CALL``), so runs sharing one agent
 never see each other's; the user's own ``process_tool_call`` hook still runs, and
-the key is merged into the metadata it passes on.
+the key is merged into the metadata it passes on. ``_KeyedMcp`` calls the tool as
+``MCPToolset.call_tool`` does (the hook around ``direct_call_tool``), with public API
+only, and leaves the agent's toolsets unchanged.
 
 A step submitted with no outcome, on a toolset declared to honour keys (``honours``:
 toolset id -> key TTL), is reconciled: the same call, with the same key while the key
