@@ -49,7 +49,9 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
 
         env = {**os.environ, "MCP_LEDGER": args.effects, "MCP_DEDUP": args.effects + ".keys"}
         server = StdioTransport(command=sys.executable, args=[args.mcp, "stdio"], env=env)
-        toolsets.append(MCPToolset(server, id="notes"))
+        hook = _hook(Path(args.effects + ".hook")) if args.hook else None
+        mcp: Any = MCPToolset(server, id="notes", process_tool_call=hook)
+        toolsets.append(mcp.prefixed(args.prefix) if args.prefix else mcp)
     agent = Agent(model, instructions=args.instructions, output_type=output, toolsets=toolsets)
 
     @agent.tool_plain(requires_approval=args.approval)
@@ -73,9 +75,11 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
             store=store,
             idempotent=idempotent,
             trusted_mcp=["notes"] if args.trusted else [],
+            honours_keys=None if args.honours is None else {"notes": args.honours},
         )
     except UncertainEffect as exc:
-        return {"ended": "uncertain", "step": exc.step_id}
+        why = {"why": str(exc)} if args.why else {}
+        return {"ended": "uncertain", "step": exc.step_id, **why}
     except ReplayDivergence as exc:
         return {"ended": "divergence", "step": exc.step_id}
     finally:
@@ -97,6 +101,17 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _hook(log: Path) -> Any:
+    """The user's own ``process_tool_call``: it logs each call and adds its own ``_meta``."""
+
+    async def hook(ctx: Any, call_tool: Any, name: str, tool_args: dict[str, Any]) -> Any:
+        with log.open("a") as f:
+            f.write(name + "\n")
+        return await call_tool(name, tool_args, metadata={"test/tag": "from-hook"})
+
+    return hook
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("db", "run_id", "base_url", "effects"):
@@ -107,6 +122,10 @@ def main() -> None:
     parser.add_argument("--approval", action="store_true", help="refund requires approval")
     parser.add_argument("--mcp", help="an MCP server script (stdio) whose tools the agent has")
     parser.add_argument("--trusted", action="store_true", help="trust its annotations")
+    parser.add_argument("--honours", type=float, help="its server keeps keys this long (s)")
+    parser.add_argument("--hook", action="store_true", help="a process_tool_call hook of ours")
+    parser.add_argument("--why", action="store_true", help="say why a run is uncertain")
+    parser.add_argument("--prefix", help="the MCP toolset prefixed (a wrapper around it)")
     parser.add_argument("--retry-once", action="store_true", help="refund raises ModelRetry once")
     parser.add_argument("--anthropic", action="store_true", help="AnthropicModel, not OpenAI")
     outcome = asyncio.run(_pass(parser.parse_args()))

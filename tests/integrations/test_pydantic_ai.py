@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ import pytest
 
 pytest.importorskip("pydantic_ai")
 
-from asiento import RunStatus, SqliteCheckpointer
+from asiento import Phase, RunStatus, SqliteCheckpointer, idem_key
 from asiento.proxy import create_app
 from asiento.testing import ENV_VAR
 from providers.fake_servers import Answer, AsgiServer, FakeProvider
@@ -409,6 +410,94 @@ def test_an_mcp_tool_killed_before_its_result_follows_the_mcp_table(
     assert resumed is not None
     assert resumed["ended"] == ended
     assert lookups(tmp_path) == runs
+    # Every call carried the step's key, the very same on the resumed call.
+    sent = [line.split()[1] for line in ledger(tmp_path) if line.startswith("lookup ")]
+    assert sent == [idem_key(RUN, "m1.t1", {"city": "Paris"})] * runs
+
+
+# -- MCP toolsets whose servers deduplicate by the key: reconcile, not UncertainEffect ----
+
+TRANSFER = (Answer(calls=(("bank_transfer", {"amount": 5}),)), Answer(text="moved it"))
+
+
+def ledger(tmp_path: Path) -> list[str]:
+    log = tmp_path / "effects.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def transfers(tmp_path: Path) -> list[str]:
+    return [line for line in ledger(tmp_path) if line.startswith("transfer ")]
+
+
+async def _recorded(db: Path, step_id: str) -> dict[Phase, Any]:
+    store = SqliteCheckpointer(db)
+    try:
+        return {e.phase: e.payload for e in await store.load(RUN) if e.step_id == step_id}
+    finally:
+        await store.close()
+
+
+@pytest.mark.parametrize(
+    ("declared", "why"),
+    [(None, "is not declared to deduplicate by key"), ("0", "idempotency key is")],
+    ids=["not-declared-is-uncertain", "expired-key-is-uncertain"],
+)
+def test_an_mcp_call_killed_before_its_result_is_uncertain_unless_its_key_is_honoured(
+    tmp_path: Path, declared: str | None, why: str
+) -> None:
+    """A non-idempotent MCP tool (behind a prefixed toolset) killed after the server did
+    it: on a toolset not declared to honour keys, or whose key has expired (TTL 0), the
+    resumed run raises UncertainEffect naming why, and nothing is called again."""
+    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5", "--why")
+    options += () if declared is None else ("--honours", declared)
+    with FakeProvider(TRANSFER) as provider:
+        assert run_pass(tmp_path, provider.openai_url, *options, crash_at="after_tool") is None
+        resumed = run_pass(tmp_path, provider.openai_url, *options)
+    assert resumed is not None
+    assert resumed["ended"] == "uncertain"
+    assert resumed["step"] == "m1.t1"
+    assert why in resumed["why"]
+    assert len(transfers(tmp_path)) == 1
+
+
+def test_a_declared_key_honouring_mcp_call_killed_before_its_result_is_reconciled(
+    tmp_path: Path,
+) -> None:
+    """The same crash on a toolset declared ``honours_keys``: the resumed run asks the
+    server again under the same key, the server answers from its record (the transfer
+    happened once), and that answer is the step's outcome: the run closes."""
+    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5", "--why")
+    options += ("--honours", "3600", "--hook")
+    with FakeProvider(TRANSFER) as provider:
+        assert run_pass(tmp_path, provider.openai_url, *options, crash_at="after_tool") is None
+        resumed = run_pass(tmp_path, provider.openai_url, *options)
+        assert resumed is not None
+        assert resumed["ended"] == "closed", resumed
+        assert (resumed["tool_calls"], resumed["tools_replayed"]) == (0, 1)
+        told = json.dumps(provider.requests[-1].body)
+    key = idem_key(RUN, "m1.t1", {"amount": 5})
+    assert transfers(tmp_path) == [f'transfer {key} tag=from-hook {{"amount": 5}}']
+    records = asyncio.run(_recorded(tmp_path / "runs.db", "m1.t1"))
+    assert records[Phase.INTENT]["idem_key"] == key  # what ``asiento show`` displays
+    assert records[Phase.RESULT]["value"] == "moved 5"
+    assert "moved 5" in told  # the model was handed the server's recorded answer
+    # The user's own hook ran on the first call and on the reconcile (its _meta merged).
+    assert (tmp_path / "effects.log.hook").read_text().split() == ["transfer", "transfer"]
+
+
+def test_the_users_process_tool_call_hook_runs_and_its_metadata_is_merged(
+    tmp_path: Path,
+) -> None:
+    """A toolset with its own ``process_tool_call``: the hook runs, and the server gets
+    the hook's ``_meta`` and the step's key in one request."""
+    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5", "--hook")
+    with FakeProvider(TRANSFER) as provider:
+        done = run_pass(tmp_path, provider.openai_url, *options)
+    assert done is not None
+    assert done["ended"] == "closed"
+    key = idem_key(RUN, "m1.t1", {"amount": 5})
+    assert transfers(tmp_path) == [f'transfer {key} tag=from-hook {{"amount": 5}}']
+    assert (tmp_path / "effects.log.hook").read_text().split() == ["transfer"]
 
 
 # -- structured output and message history, as Pydantic AI documents them --------------------
@@ -633,3 +722,95 @@ async def test_a_requested_shutdown_stops_between_steps_and_the_run_resumes(
     assert resumed.output == "refunded A1"
     assert (resumed.stats.tool_calls_replayed, ran) == (1, ["A1"])
     assert billed_per_step(provider) == {"m1": 1, "m2": 1}
+
+
+async def test_runs_sharing_one_agent_each_send_their_own_key(tmp_path: Path) -> None:
+    """Three runs of one agent at once, its MCP toolset nested (filtered, prefixed) and
+    with a hook of its own: each call carries its own run's key, and the agent's
+    toolset is left as it was (the key travels in a contextvar, not in the toolset)."""
+    import openai
+    from fastmcp.client.transports import StdioTransport
+    from pydantic_ai import Agent
+    from pydantic_ai.mcp import MCPToolset
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from asiento.integrations.pydantic_ai import durable_run
+
+    async def hook(ctx: Any, call_tool: Any, name: str, tool_args: dict[str, Any]) -> Any:
+        return await call_tool(name, tool_args, metadata={"test/tag": "shared"})
+
+    env = {**os.environ, "MCP_LEDGER": str(tmp_path / "effects.log")}
+    env["MCP_DEDUP"] = str(tmp_path / "keys.db")
+    server = StdioTransport(command=sys.executable, args=[str(MCP_SERVER), "stdio"], env=env)
+    mcp = MCPToolset(server, id="notes", process_tool_call=hook)
+    nested = mcp.prefixed("bank").filtered(lambda ctx, tool: tool.name == "bank_transfer")
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    runs = ["r1", "r2", "r3"]
+    with FakeProvider(TRANSFER) as provider:
+        async with openai.AsyncOpenAI(base_url=provider.openai_url, api_key="sk") as client:
+            model = OpenAIChatModel("gpt-test", provider=OpenAIProvider(openai_client=client))
+            agent = Agent(model, toolsets=[nested])
+            try:
+                async with agent:  # one MCP session, shared by the runs
+                    done = await asyncio.gather(
+                        *(durable_run(agent, "move 5", run_id=r, store=store) for r in runs)
+                    )
+            finally:
+                await store.close()
+    assert [d.output for d in done] == ["moved it"] * 3
+    sent = sorted(transfers(tmp_path))
+    expected = sorted(
+        f'transfer {idem_key(r, "m1.t1", {"amount": 5})} tag=shared {{"amount": 5}}' for r in runs
+    )
+    assert sent == expected
+    assert mcp.process_tool_call is hook
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_server_that_died_during_the_call_is_uncertain_even_when_declared(
+    tmp_path: Path,
+) -> None:
+    """The agent and its MCP server killed while the server runs the call: the server
+    cannot know the call's outcome and says so (``asiento/outcome: unknown``); the
+    declared toolset's resume raises UncertainEffect naming that, and nothing runs again."""
+    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5", "--why")
+    options += ("--honours", "3600")
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    env |= {"MCP_HOLD": "transfer", "MCP_GATE": str(tmp_path / "never")}
+    with FakeProvider(TRANSFER) as provider:
+        argv = [
+            sys.executable, str(CHILD), str(tmp_path / "runs.db"), RUN, provider.openai_url,
+            str(tmp_path / "effects.log"), *options,
+        ]  # fmt: skip
+        errors = (tmp_path / "stderr").open("w")
+        child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=errors)
+        try:
+            for _ in range(1500):  # the server applied the transfer and holds it
+                if transfers(tmp_path) or child.poll() is not None:
+                    break
+                threading.Event().wait(0.02)
+            assert transfers(tmp_path), (tmp_path / "stderr").read_text()
+            for pid in _children(child.pid):
+                os.kill(pid, signal.SIGKILL)
+        finally:
+            child.kill()
+            child.wait(timeout=30)
+            errors.close()
+        resumed = run_pass(tmp_path, provider.openai_url, *options)
+    assert resumed is not None
+    assert resumed["ended"] == "uncertain", resumed
+    assert "cannot know the outcome of the first call" in resumed["why"]
+    assert len(transfers(tmp_path)) == 1

@@ -37,8 +37,10 @@ app = MCPServer("notes", middleware=[keys])
 
 
 def _key(ctx: Context) -> str:
+    """The call's asiento key, and after it a test's own ``_meta["test/tag"]`` if sent."""
     meta = ctx.request_context.meta or {}
-    return str(meta.get(KEY, "-"))
+    tag = meta.get("test/tag")
+    return str(meta.get(KEY, "-")) + ("" if tag is None else f" tag={tag}")
 
 
 def _apply(tool: str, key: str, args: dict[str, Any]) -> None:

@@ -9,8 +9,10 @@ Pydantic AI's deferred approvals are asiento approvals.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic_ai import DeferredToolRequests, DeferredToolResults, ToolDenied
@@ -23,7 +25,7 @@ from pydantic_ai.toolsets import ToolsetTool
 from pydantic_core import to_jsonable_python
 
 from .. import context, shutdown, step_ids
-from .._canonical import fingerprint, key_header, model_key
+from .._canonical import fingerprint, idem_key, key_header, model_key
 from .._crash import crash_point
 from ..errors import AsientoError, ReplayDivergence, UncertainEffect, UsageError
 from ..events import Decision, Lease, Phase, RunStatus, StepEvent
@@ -32,6 +34,7 @@ from ..replay import Action, Indexed, decide, index, step_state, tool_drift
 from ..session import Session
 from ._pydantic_ai_records import (
     dump_messages,
+    is_mcp_tool,
     model_payload,
     recorded_response,
     request_fingerprint,
@@ -56,9 +59,13 @@ class Pass:
         idempotent: frozenset[str],
         trusted: frozenset[str],
         journal: Indexed,
+        *,
+        honours: Mapping[str, float | None] | None = None,
     ) -> None:
         self.session, self.lease, self.idempotent = session, lease, idempotent
         self.trusted = trusted
+        self.honours = dict(honours or {})  # MCP toolset id -> its server's key TTL
+        self.keyed: set[int] = set()  # the MCP toolsets whose calls carry the key (id())
         self.run_id, self.store, self.stats = session.run_id, session.store, session.stats
         self.journal = journal
         self.turns = 0  # model requests made or replayed so far: the next is m{turns + 1}
@@ -178,13 +185,24 @@ class Pass:
         """Declared by the user, or by a trusted MCP server's annotations (docs/mcp.md)."""
         if name in self.idempotent:
             return True
-        metadata = tool.tool_def.metadata if tool is not None else None
-        if not isinstance(metadata, dict) or "annotations" not in metadata:
-            return False  # not an MCP tool
+        if tool is None or not is_mcp_tool(tool):
+            return False
         from ..mcp import treatment  # an MCP tool: the mcp extra is there
+        from ._pydantic_ai_mcp import mcp_leaf
 
-        trusted = tool is not None and tool.toolset.id in self.trusted
-        return treatment(metadata["annotations"], trusted=trusted).idempotent
+        leaf = mcp_leaf(tool)
+        trusted = (leaf.id if leaf is not None else tool.toolset.id) in self.trusted
+        annotations = (tool.tool_def.metadata or {})["annotations"]
+        return treatment(annotations, trusted=trusted).idempotent
+
+    def keyed_leaf(self, tool: ToolsetTool[Any] | None) -> Any:
+        """The MCP toolset of ``tool`` when its calls carry the step's key, else None."""
+        if tool is None or not is_mcp_tool(tool):
+            return None
+        from ._pydantic_ai_mcp import mcp_leaf
+
+        leaf = mcp_leaf(tool)
+        return leaf if leaf is not None and id(leaf) in self.keyed else None
 
     async def tool_step(
         self,
@@ -204,6 +222,8 @@ class Pass:
         state = step_state(self.journal, step_id)
         records = state.records
         action = decide(records, idempotent=self.is_idempotent(name, tool))
+        leaf = self.keyed_leaf(tool)
+        key = None if leaf is None else _frozen_key(self.run_id, step_id, records)
         if action is Action.FEED_RESULT:
             self.stats.tool_calls_replayed += 1
             return _fed(Outcome.from_json(records[Phase.RESULT].payload))
@@ -220,6 +240,11 @@ class Pass:
             return denial.text()
         if action is Action.UNCERTAIN:
             await self.settle()
+            settled = await self._reconcile(
+                step_id, state.current_id, name, run, leaf=leaf, key=key
+            )
+            if isinstance(settled, _Settled):
+                return settled.value
             if not await self.store.set_status(
                 self.run_id,
                 RunStatus.UNCERTAIN,
@@ -228,13 +253,7 @@ class Pass:
             ):  # a person resolved it after this pass read the journal: read it again
                 self.journal = index(await self.store.load(self.run_id))
                 return await self.tool_step(name, call_id, run, tool)
-            raise UncertainEffect(
-                self.run_id,
-                state.current_id,
-                name,
-                "it was submitted and no outcome was recorded; it is not declared idempotent "
-                "(durable_run(idempotent=...))",
-            )
+            raise UncertainEffect(self.run_id, state.current_id, name, settled)
         if action is Action.AWAIT_APPROVAL:  # never written by this integration
             raise UsageError(
                 f"run {self.run_id!r} step {step_id!r} waits for an approval; the Pydantic AI "
@@ -242,7 +261,8 @@ class Pass:
             )
         events: list[StepEvent] = []
         if action is Action.START:
-            intent = self._intent(name, call_id or "")
+            intent = self._intent(name, call_id or "", step_id if leaf is not None else None)
+            key = intent.idem_key
             events.append(self.event(step_id, Phase.INTENT, intent.to_json(), Decision.ALLOW))
         attempt_id = state.next_id
         events.append(self.event(attempt_id, Phase.SUBMITTED, SUBMITTED))
@@ -253,12 +273,70 @@ class Pass:
         if starting:
             crash_point("after_intent")
         crash_point("after_submitted")
-        return await self._execute(step_id, attempt_id, name, run)
+        return await self._execute(step_id, attempt_id, name, _keyed(key, run))
 
-    def _intent(self, name: str, call_id: str) -> Intent:
-        """The call frozen as the recorded answer asked for it: what a person approves."""
+    def _intent(self, name: str, call_id: str, keyed_step: str | None = None) -> Intent:
+        """The call frozen as the recorded answer asked for it: what a person approves.
+
+        ``keyed_step``: an MCP call carrying the key of that step, frozen here with it."""
         frozen = to_jsonable_python(self.tool_args.get(call_id, {}))
-        return Intent(tool=name, args=frozen, fp=fingerprint(frozen)[:32])
+        key = None if keyed_step is None else idem_key(self.run_id, keyed_step, frozen)
+        return Intent(tool=name, args=frozen, fp=fingerprint(frozen)[:32], idem_key=key)
+
+    async def _reconcile(
+        self,
+        step_id: str,
+        attempt_id: str,
+        name: str,
+        run: Callable[[], Awaitable[Any]],
+        *,
+        leaf: Any,
+        key: str | None,
+    ) -> _Settled | str:
+        """Submitted, no outcome, not idempotent: for an MCP call under the step's key, the
+        server's record of it when its toolset is declared to honour keys and the key is
+        live; else why not (for ``UncertainEffect``).
+
+        The key's age is the store's, from the step's first submission (as for a native
+        run's MCP tools)."""
+        if leaf is None or key is None:
+            return (
+                "it was submitted and no outcome was recorded; it is not declared idempotent "
+                "(durable_run(idempotent=...))"
+            )
+        from ._pydantic_ai_mcp import NotReconciled, reconcile_call
+
+        if leaf.id not in self.honours:
+            return (
+                f"it was submitted and no outcome was recorded; it is not declared idempotent, "
+                f"and its MCP toolset {leaf.id!r} is not declared to deduplicate by key "
+                "(durable_run(honours_keys={toolset id: key TTL}))"
+            )
+        age = await self.store.age(self.run_id, step_id, Phase.SUBMITTED)
+        where = context.StepContext(
+            run_id=self.run_id, step_id=step_id, attempt_id=attempt_id, tool=name
+        )
+        token = context.enter(where)
+        try:
+            value, replayed = await reconcile_call(
+                key, run, toolset_id=leaf.id, key_ttl=self.honours[leaf.id], age=age
+            )
+        except NotReconciled as exc:
+            return str(exc)
+        except ModelRetry as exc:  # the recorded answer is the tool's error
+            await self.append(self.event(attempt_id, Phase.RESULT, _retry(exc).to_json()))
+            raise
+        finally:
+            context.leave(token)
+        if replayed:
+            self.stats.tool_calls_replayed += 1
+        else:  # the first call never reached the server: this one did the work
+            self.stats.tool_calls += 1
+        crash_point("after_tool")
+        outcome = Outcome.ok(to_jsonable_python(value))
+        await self.append(self.event(attempt_id, Phase.RESULT, outcome.to_json()))
+        crash_point("after_result")
+        return _Settled(value)
 
     async def decisions(
         self, requests: DeferredToolRequests
@@ -356,6 +434,32 @@ class Pass:
 
 
 _RETRY_PREFIX = "model_retry: "
+
+
+def _frozen_key(run_id: str, step_id: str, records: Mapping[Phase, StepEvent]) -> str | None:
+    """The step's key as its intent froze it (an intent written without one, for an
+    approval: the same ``idem_key`` of the frozen arguments); None before the intent."""
+    recorded = records.get(Phase.INTENT)
+    if recorded is None:
+        return None
+    frozen = Intent.from_json(recorded.payload)
+    return frozen.idem_key or idem_key(run_id, step_id, dict(frozen.args))
+
+
+def _keyed(key: str | None, run: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+    """``run`` with ``key`` in its MCP request's ``_meta`` (no key: ``run`` itself)."""
+    if key is None:
+        return run
+    from ._pydantic_ai_mcp import call_keyed
+
+    return functools.partial(call_keyed, key, run)
+
+
+@dataclass(frozen=True, slots=True)
+class _Settled:
+    """A reconciled step's value (a class, so a str value is not taken for a reason)."""
+
+    value: Any
 
 
 def _retry(exc: ModelRetry) -> Outcome:

@@ -17,6 +17,7 @@ from pydantic_ai.messages import ModelMessage, TextPart, ToolCallPart
 from pydantic_ai.messages import ModelResponse as FrameworkResponse
 from pydantic_ai.models import ModelRequestParameters
 from pydantic_ai.settings import ModelSettings
+from pydantic_ai.toolsets import ToolsetTool
 
 from .._canonical import fingerprint
 from ..errors import JournalCorrupt
@@ -115,6 +116,12 @@ def tool_calls(response: FrameworkResponse) -> list[tuple[str, dict[str, Any]]]:
     return [
         (p.tool_call_id, p.args_as_dict()) for p in response.parts if isinstance(p, ToolCallPart)
     ]
+
+
+def is_mcp_tool(tool: ToolsetTool[Any]) -> bool:
+    """Whether Pydantic AI listed the tool from an MCP server (its definition says so)."""
+    metadata = tool.tool_def.metadata
+    return isinstance(metadata, dict) and "annotations" in metadata
 
 
 def dump_messages(messages: Sequence[ModelMessage]) -> list[Any]:

@@ -12,7 +12,9 @@ toolsets (``_JournaledToolset``, whose ``call_tool`` goes through the journal):
   parallel calls keep their ids): intent and submitted are durable before it runs,
   and a resumed run follows the replay table, as a native run does: a recorded
   result is fed back, an idempotent tool runs again, any other raises
-  ``UncertainEffect`` for a person to resolve;
+  ``UncertainEffect`` for a person to resolve; an MCP tool's call carries the step's
+  idempotency key, and one of a toolset declared ``honours_keys`` is reconciled by
+  asking its server again under that key (``_pydantic_ai_mcp``);
 - a closed run hands back its recorded output without running anything.
 
 The run holds its lease through a ``Session`` and writes through the same
@@ -24,7 +26,7 @@ this cannot make durable.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +37,9 @@ from pydantic_ai.messages import ModelResponse as FrameworkResponse
 from pydantic_ai.models import Model, ModelRequestParameters, StreamedResponse, infer_model
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.settings import ModelSettings
-from pydantic_ai.toolsets import ToolsetTool, WrapperToolset
+from pydantic_ai.toolsets import AbstractToolset, ToolsetTool, WrapperToolset
 
+from ..effects.base import key_margin_of
 from ..errors import (
     AsientoError,
     LeaseLost,
@@ -90,6 +93,7 @@ async def durable_run(
     store: Checkpointer,
     idempotent: Iterable[str] = (),
     trusted_mcp: Iterable[str] = (),
+    honours_keys: Mapping[str, float | None] | None = None,
     model: Model | str | None = None,
     deps: Any = None,
     message_history: Sequence[ModelMessage] | None = None,
@@ -104,7 +108,11 @@ async def durable_run(
     ``idempotent`` names the tools that are safe to run again when a crash left their
     outcome unknown (every other tool is not, except an MCP tool whose annotations say
     so, from a server whose toolset ``id`` is in ``trusted_mcp``: the MCP table of
-    docs/mcp.md). ``lease`` is one a worker claimed.
+    docs/mcp.md). Every MCP call carries the step's idempotency key in its ``_meta``;
+    ``honours_keys`` maps the ids of MCP toolsets whose servers deduplicate by it to
+    how long they keep a key (seconds; None: forever), so a call a crash left without
+    an outcome is asked again under the same key while the key is live, and the
+    server's record of it is the outcome. ``lease`` is one a worker claimed.
     """
     if not isinstance(agent, Agent):
         raise UsageError(f"durable_run() takes a pydantic_ai.Agent, got {agent!r}")
@@ -114,7 +122,13 @@ async def durable_run(
     if chosen is None:
         raise UsageError("durable_run(): the agent has no model; pass model=...")
     session = Session(run_id, _FrameworkModel(), store, lease_ttl=lease_ttl, wait=wait, lease=lease)
-    options = _Options(chosen, frozenset(idempotent), frozenset(trusted_mcp), deps)
+    options = _Options(
+        chosen,
+        frozenset(idempotent),
+        frozenset(trusted_mcp),
+        deps,
+        _honours(honours_keys, who="durable_run"),
+    )
     return await _drive(agent, prompt, session, options, message_history)
 
 
@@ -126,6 +140,7 @@ class _Options:
     idempotent: frozenset[str]
     trusted_mcp: frozenset[str]
     deps: Any
+    honours_keys: Mapping[str, float | None] = field(default_factory=dict)
 
 
 async def _drive(
@@ -144,9 +159,16 @@ async def _drive(
     try:
         async with session.driving() as held:
             journal = index(await store.load(session.run_id))
-            run = Pass(session, held, options.idempotent, options.trusted_mcp, journal)
+            run = Pass(
+                session,
+                held,
+                options.idempotent,
+                options.trusted_mcp,
+                journal,
+                honours=options.honours_keys,
+            )
             wrapped = _JournaledModel(infer_model(options.model), run=run)
-            toolsets = [_JournaledToolset(t, run=run) for t in agent.toolsets]
+            toolsets = [_JournaledToolset(_keyed(t, run), run=run) for t in agent.toolsets]
             asked: str | None = prompt
             history, decided = message_history, None
             try:
@@ -217,6 +239,7 @@ class WorkerAgent:
         *,
         idempotent: Iterable[str] = (),
         trusted_mcp: Iterable[str] = (),
+        honours_keys: Mapping[str, float | None] | None = None,
         model: Model | str | None = None,
         deps: Any = None,
     ) -> None:
@@ -226,7 +249,13 @@ class WorkerAgent:
         if chosen is None:
             raise UsageError("WorkerAgent(): the agent has no model; pass model=...")
         self.agent = agent
-        self.options = _Options(chosen, frozenset(idempotent), frozenset(trusted_mcp), deps)
+        self.options = _Options(
+            chosen,
+            frozenset(idempotent),
+            frozenset(trusted_mcp),
+            deps,
+            _honours(honours_keys, who="WorkerAgent"),
+        )
 
     async def run(self, task: str, *, session: Session) -> AsyncIterator[Step]:
         """The pass's end as the worker counts it: a ``FinalStep``, or an ``ApprovalStep``
@@ -240,6 +269,32 @@ class WorkerAgent:
             abandoned=result.abandoned,
         ):
             yield step
+
+
+def _honours(declared: Mapping[str, float | None] | None, *, who: str) -> dict[str, float | None]:
+    """``honours_keys={toolset id: key TTL in seconds, or None for never forgotten}``, checked."""
+    if declared is None:
+        return {}
+    if not isinstance(declared, Mapping):
+        raise UsageError(
+            f"{who}(honours_keys=...) takes a mapping of MCP toolset id to key TTL (seconds, "
+            f"or None: keys never forgotten), got {type(declared).__name__}"
+        )
+    for toolset_id, ttl in declared.items():
+        if not isinstance(toolset_id, str) or not toolset_id:
+            raise UsageError(f"{who}(honours_keys=...): a toolset id is a str, got {toolset_id!r}")
+        key_margin_of(ttl, None, who=f"{who}(honours_keys={{{toolset_id!r}: ...}})")
+    return dict(declared)
+
+
+def _keyed(toolset: AbstractToolset[Any], run: Pass) -> AbstractToolset[Any]:
+    """``toolset`` with its MCP toolsets' calls carrying the step's key (none without
+    Pydantic AI's MCP support installed: there can be no MCP toolset then)."""
+    try:
+        from ._pydantic_ai_mcp import keyed_toolset
+    except ImportError:
+        return toolset
+    return keyed_toolset(toolset, run.keyed)
 
 
 def _closed(agent: Agent[Any, Any], session: Session, final: StepEvent) -> DurableResult:

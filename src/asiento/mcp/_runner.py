@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mcp.shared.exceptions import MCPError
 from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT, CallToolResult
@@ -64,7 +64,7 @@ class McpRunner:
         if isinstance(answer, Outcome):
             return answer
         _refuse_conflict(mcp_tool, answer, intent)
-        if _flag(answer) == UNKNOWN:
+        if flag(answer) == UNKNOWN:
             if mcp_tool.idempotent:
                 return Outcome.failed(_unknown_why(mcp_tool), attempts=attempts)
             raise McpCallLost(_unknown_why(mcp_tool))
@@ -89,7 +89,7 @@ class McpRunner:
         if isinstance(answer, Outcome):
             return Found(replace(answer, attempts=attempts + 1))
         _refuse_conflict(mcp_tool, answer, intent)
-        if _flag(answer) == UNKNOWN:
+        if flag(answer) == UNKNOWN:
             return Unknown(_unknown_why(mcp_tool))
         return Found(_recorded(answer, "republish", attempts + 1))
 
@@ -109,7 +109,7 @@ class McpRunner:
                 if exc.code in (CONNECTION_CLOSED, REQUEST_TIMEOUT):
                     raise McpCallLost(_lost_why(tool, str(exc))) from None
                 return Outcome.failed(f"the MCP server refused the call ({exc.code}): {exc}")
-            if _flag(result) != IN_PROGRESS:
+            if flag(result) != IN_PROGRESS:
                 return result
             if loop.time() + pause > deadline:
                 raise McpCallLost(
@@ -127,7 +127,16 @@ def _mcp(tool: Tool) -> McpTool:
     return tool
 
 
-def _flag(result: CallToolResult) -> Any:
+class Answer(Protocol):
+    """A ``tools/call`` result as any MCP client gives it (the mcp SDK's, FastMCP's)."""
+
+    @property
+    def is_error(self) -> bool: ...
+    @property
+    def meta(self) -> Any: ...
+
+
+def flag(result: Answer) -> Any:
     """What a deduplicating server says of the key's first call (``_meta``), if anything."""
     if not result.is_error or not isinstance(result.meta, Mapping):
         return None
@@ -136,7 +145,7 @@ def _flag(result: CallToolResult) -> Any:
 
 def _refuse_conflict(tool: McpTool, result: CallToolResult, intent: Intent) -> None:
     """A key the server saw with other arguments is never an outcome: a person looks."""
-    if _flag(result) == CONFLICT:
+    if flag(result) == CONFLICT:
         raise IdempotencyKeyConflict(
             f"MCP server {tool.server!r} refused key {intent.idem_key!r} for tool "
             f"{tool.remote_name!r}: it was first used with other arguments ({_text(result)[:200]})"
