@@ -6,6 +6,7 @@ COMMIT statements of a real SQLite file, not a provider's traffic.
 
 from __future__ import annotations
 
+import importlib.util
 import sqlite3
 from pathlib import Path
 
@@ -18,32 +19,24 @@ from pydantic_ai.messages import (
     ModelMessage,
     ModelResponse,
     TextPart,
-    ToolCallPart,
-    ToolReturnPart,
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from asiento import Phase, SqliteCheckpointer
 from asiento.integrations.pydantic_ai import durable_run
 
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "pydantic_ai_overhead.py"
 asked: list[int] = []
 
 
-def _answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
-    asked.append(len(messages))
-    if any(isinstance(p, ToolReturnPart) for m in messages for p in m.parts):
-        return ModelResponse(parts=[TextPart("refunded A1")])
-    return ModelResponse(parts=[ToolCallPart("refund", {"order": "A1"}, tool_call_id="c1")])
-
-
-def _agent() -> Agent[None, str]:
-    agent = Agent(FunctionModel(_answer), instructions="Refund what you are asked to.")
-
-    @agent.tool_plain
-    def refund(order: str) -> str:
-        """Refund an order."""
-        return f"refunded {order}"
-
+def _bench_agent() -> Agent[None, str]:
+    """The agent ``bench/pydantic_ai_overhead.py`` measures: one refund call, then text."""
+    spec = importlib.util.spec_from_file_location("pydantic_ai_overhead", BENCH)
+    assert spec is not None
+    assert spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    agent: Agent[None, str] = bench._agent()
     return agent
 
 
@@ -71,7 +64,7 @@ async def test_a_model_and_tool_step_costs_two_commits(tmp_path: Path) -> None:
     store = SqliteCheckpointer(tmp_path / "runs.db")
     try:
         commits = _record_commits(store)
-        result = await durable_run(_agent(), "refund A1", run_id="r1", store=store)
+        result = await durable_run(_bench_agent(), "refund A1", run_id="r1", store=store)
         assert result.output == "refunded A1"
         records = [(e.step_id, e.phase) for e in await store.load("r1")]
         assert records == [
