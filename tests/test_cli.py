@@ -475,6 +475,11 @@ async def test_runs_shows_lease_holder_ledger_and_filters(tmp_path: Path) -> Non
     assert re.search(
         rf"waiting\s*│\s*suspended\s*│\s*2\s*│[^│]*│\s*{lease.owner[:8]} \(\d+s left\)", table
     )
+    shown = cli("show", "waiting", cwd=tmp_path).stdout  # and which process holds it
+    machine = socket.gethostname()
+    assert re.search(
+        rf"lease: {lease.owner[:8]} \(\d+s left\), pid {os.getpid()} on {re.escape(machine)}", shown
+    )
     assert re.search(
         r"unsure\s*│\s*uncertain\s*│\s*2\s*│[^│]*│\s*│\s*1\s*│\s*400/30\s*│\s*1\s*│\s*400/30",
         table,

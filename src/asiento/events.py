@@ -74,6 +74,10 @@ class RunInfo:
     pass, a stop on the budget, a person's raise: docs/budgets.md); against it, what it
     spent is ``cost``, ``input_tokens + output_tokens`` and ``model_calls``. None: that
     limit is unset, or no budget was recorded (``budgeted`` is False).
+
+    ``lease_host`` and ``lease_pid``: where the lease's holder runs (``Holder.host``, its
+    process id there), so a person can tell which worker drives the run; None when
+    nobody holds it.
     """
 
     run_id: str
@@ -102,6 +106,8 @@ class RunInfo:
     budget_cost: float | None = None
     budget_tokens: int | None = None
     budget_model_calls: int | None = None
+    lease_host: str | None = None
+    lease_pid: int | None = None
 
     @property
     def steps(self) -> int:

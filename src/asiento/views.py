@@ -287,6 +287,13 @@ def lease_text(info: RunInfo) -> str:
     return f"{info.lease_owner[:8]} ({state})"
 
 
+def lease_holder(info: RunInfo) -> str:
+    """Where the lease's holder runs: "pid 4242 on worker-3"; empty when unknown."""
+    if info.lease_owner is None or info.lease_pid is None or not info.lease_host:
+        return ""
+    return f"pid {info.lease_pid} on {info.lease_host.split('/')[0]}"
+
+
 # -- what a run's state means for a person ------------------------------------------------
 
 # The states a person sees. The stored ``RunStatus`` says ``running`` for every run

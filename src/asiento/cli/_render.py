@@ -18,6 +18,7 @@ from ..views import (
     budget_text,
     clip,
     inline_json,
+    lease_holder,
     lease_text,
     money,
     recent,
@@ -137,7 +138,9 @@ def _header(info: RunInfo, state: RunState) -> Text:
         text.append(f" (status {info.status.value})")
     text.append(f" · {info.steps} steps · {info.events} records")
     text.append(f" · last activity {when(info.updated_at)}\n")
-    text.append(f"lease: {lease_text(info) or 'free'} (fence {info.fence})\n")
+    holder = lease_holder(info)
+    held = f", {holder}" if holder else ""
+    text.append(f"lease: {lease_text(info) or 'free'}{held} (fence {info.fence})\n")
     cost = f", cost {money(info.cost)}" if info.cost else ""
     cached = f", {info.cached_input_tokens:,} in from cache" if info.cached_input_tokens else ""
     cached += f", {info.cache_write_tokens:,} written to cache" if info.cache_write_tokens else ""

@@ -296,7 +296,8 @@ SELECT_RUNS = """
 SELECT run_id, status, events, created_at, updated_at, lease_owner, lease_expires, fence,
     model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
     saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps,
-    cached_input_tokens, cache_write_tokens, budget_cost, budget_tokens, budget_model_calls
+    cached_input_tokens, cache_write_tokens, budget_cost, budget_tokens, budget_model_calls,
+    lease_host, lease_pid
 FROM runs
 """
 

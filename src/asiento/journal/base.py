@@ -252,6 +252,8 @@ _RUN_FIELDS = (
     "budget_cost",
     "budget_tokens",
     "budget_model_calls",
+    "lease_host",
+    "lease_pid",
 )
 
 
@@ -259,6 +261,8 @@ def run_info(row: Sequence[Any]) -> RunInfo:
     """A row of the run index (columns in RunInfo's order) as a ``RunInfo``."""
     values = dict(zip(_RUN_FIELDS, row, strict=True))
     values["status"] = RunStatus(values["status"])
+    if values["lease_owner"] is None:  # a released lease leaves its holder's columns behind
+        values["lease_host"] = values["lease_pid"] = None
     return RunInfo(**values)
 
 

@@ -122,7 +122,12 @@ class MemoryCheckpointer:
         self._holders[run_id] = _Holding(holder.host, holder.pid, holder.started, ttl)
         token = info.fence + 1
         self._runs[run_id] = dataclasses.replace(
-            info, lease_owner=holder.owner, lease_expires=now + ttl, fence=token
+            info,
+            lease_owner=holder.owner,
+            lease_expires=now + ttl,
+            fence=token,
+            lease_host=holder.host,
+            lease_pid=holder.pid,
         )
         return Lease(run_id=run_id, token=token, owner=holder.owner, expires=now + ttl)
 
@@ -145,6 +150,8 @@ class MemoryCheckpointer:
             info,
             lease_owner=None,
             lease_expires=None,
+            lease_host=None,
+            lease_pid=None,
             replayed_calls=info.replayed_calls + saved.calls,
             saved_input_tokens=info.saved_input_tokens + saved.input_tokens,
             saved_output_tokens=info.saved_output_tokens + saved.output_tokens,

@@ -143,7 +143,8 @@ WHERE run_id = :run_id AND fence = :token AND lease_owner = :owner AND lease_exp
 _RUN_COLUMNS = """run_id, status, events, created_at, updated_at, lease_owner, lease_expires,
 fence, model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
 saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps,
-cached_input_tokens, cache_write_tokens, budget_cost, budget_tokens, budget_model_calls"""
+cached_input_tokens, cache_write_tokens, budget_cost, budget_tokens, budget_model_calls,
+lease_host, lease_pid"""
 
 # A closed run takes no other status (no row changes: ``RunClosed``).
 _SET_STATUS = f"""

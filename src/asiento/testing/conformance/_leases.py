@@ -41,6 +41,21 @@ class LeaseTests:
         assert info.lease_expires is not None
         assert info.lease_expires > time.time() + 20
 
+    async def test_the_index_names_where_the_holder_runs(self, store: Checkpointer) -> None:
+        """The run index says which process holds the lease (host and pid), taken by
+        acquire and by a worker's claim, and forgets it once the lease is given back."""
+        lease = await store.acquire("run-1", holder("far", host="worker-3/b00t", pid=4242), ttl=30)
+        info = await info_of(store)
+        assert (info.lease_host, info.lease_pid) == ("worker-3/b00t", 4242)
+        await store.release(lease)
+        info = await info_of(store)
+        assert (info.lease_owner, info.lease_host, info.lease_pid) == (None, None, None)
+        await store.submit("job-1", "t", agent="a")
+        claim = await store.claim(holder("w", host="worker-4/b00t", pid=77), ttl=30)
+        assert claim is not None
+        claimed = await info_of(store, "job-1")
+        assert (claimed.lease_host, claimed.lease_pid) == ("worker-4/b00t", 77)
+
     async def test_live_holder_on_this_host_locks_the_run(self, store: Checkpointer) -> None:
         """Another owner of a live process on this host gets RunLocked naming the holder."""
         await store.acquire("run-1", holder("a"), ttl=30)
