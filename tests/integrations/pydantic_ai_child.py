@@ -26,7 +26,9 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
     from pydantic_ai.models.openai import OpenAIChatModel
     from pydantic_ai.providers.openai import OpenAIProvider
 
-    from asiento import ReplayDivergence, SqliteCheckpointer, UncertainEffect
+    from asiento import ReplayDivergence, SqliteCheckpointer, UncertainEffect, UsageError
+    from asiento.effects.base import IdempotencyKeyConflict
+    from asiento.errors import McpCallLost
     from asiento.integrations.pydantic_ai import durable_run
 
     model: Any
@@ -49,7 +51,7 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
 
         env = {**os.environ, "MCP_LEDGER": args.effects, "MCP_DEDUP": args.effects + ".keys"}
         server = StdioTransport(command=sys.executable, args=[args.mcp, "stdio"], env=env)
-        hook = _hook(Path(args.effects + ".hook")) if args.hook else None
+        hook = _hook(Path(args.effects + ".hook"), args.hook_key) if args.hook else None
         mcp: Any = MCPToolset(server, id="notes", process_tool_call=hook)
         toolsets.append(mcp.prefixed(args.prefix) if args.prefix else mcp)
     agent = Agent(model, instructions=args.instructions, output_type=output, toolsets=toolsets)
@@ -82,6 +84,8 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
         return {"ended": "uncertain", "step": exc.step_id, **why}
     except ReplayDivergence as exc:
         return {"ended": "divergence", "step": exc.step_id}
+    except (IdempotencyKeyConflict, McpCallLost, UsageError) as exc:
+        return {"ended": type(exc).__name__, "why": str(exc)}
     finally:
         await store.close()
     stats = result.stats
@@ -101,13 +105,17 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _hook(log: Path) -> Any:
-    """The user's own ``process_tool_call``: it logs each call and adds its own ``_meta``."""
+def _hook(log: Path, key: str | None) -> Any:
+    """The user's own ``process_tool_call``: it logs each call and adds its own ``_meta``
+    (with ``key``, an idempotency key of its own: the hook's bug)."""
+    meta = {"test/tag": "from-hook"}
+    if key is not None:
+        meta["asiento/idempotency-key"] = key
 
     async def hook(ctx: Any, call_tool: Any, name: str, tool_args: dict[str, Any]) -> Any:
         with log.open("a") as f:
             f.write(name + "\n")
-        return await call_tool(name, tool_args, metadata={"test/tag": "from-hook"})
+        return await call_tool(name, tool_args, metadata=meta)
 
     return hook
 
@@ -124,6 +132,7 @@ def main() -> None:
     parser.add_argument("--trusted", action="store_true", help="trust its annotations")
     parser.add_argument("--honours", type=float, help="its server keeps keys this long (s)")
     parser.add_argument("--hook", action="store_true", help="a process_tool_call hook of ours")
+    parser.add_argument("--hook-key", help="the hook sends this idempotency key of its own")
     parser.add_argument("--why", action="store_true", help="say why a run is uncertain")
     parser.add_argument("--prefix", help="the MCP toolset prefixed (a wrapper around it)")
     parser.add_argument("--retry-once", action="store_true", help="refund raises ModelRetry once")

@@ -9,6 +9,7 @@ process (``pydantic_ai_child.py``); the fake counts billable generations by thei
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -814,3 +815,136 @@ def test_a_server_that_died_during_the_call_is_uncertain_even_when_declared(
     assert resumed["ended"] == "uncertain", resumed
     assert "cannot know the outcome of the first call" in resumed["why"]
     assert len(transfers(tmp_path)) == 1
+
+
+def test_a_hook_that_sends_a_key_of_its_own_is_a_usage_error(tmp_path: Path) -> None:
+    """The user's ``process_tool_call`` hook puts another key under
+    ``_meta["asiento/idempotency-key"]``: a UsageError naming the hook and both keys,
+    and the call is never sent (the server saw no call, the transfer never ran)."""
+    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5")
+    options += ("--hook", "--hook-key", "mine-1")
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    env["MCP_SEEN"] = str(tmp_path / "seen")
+    with FakeProvider(TRANSFER) as provider:
+        argv = [
+            sys.executable, str(CHILD), str(tmp_path / "runs.db"), RUN, provider.openai_url,
+            str(tmp_path / "effects.log"), *options,
+        ]  # fmt: skip
+        proc = subprocess.run(
+            argv, env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+    assert proc.returncode == 0, proc.stderr
+    done = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert done["ended"] == "UsageError", done
+    key = idem_key(RUN, "m1.t1", {"amount": 5})
+    assert "process_tool_call hook" in done["why"]
+    assert "'mine-1'" in done["why"]
+    assert repr(key) in done["why"]
+    assert (tmp_path / "effects.log.hook").read_text().split() == ["transfer"]  # it ran
+    assert not (tmp_path / "seen").exists()  # and no call reached the server
+    assert transfers(tmp_path) == []
+
+
+async def _call_transfer(tmp_path: Path, key: str, amount: int) -> Any:
+    """A transfer under ``key`` from a client of the test's own, on the run's server."""
+    from fastmcp import Client
+    from fastmcp.client.transports import StdioTransport
+
+    env = {**os.environ, "MCP_LEDGER": str(tmp_path / "effects.log")}
+    env["MCP_DEDUP"] = str(tmp_path / "effects.log.keys")  # the child's server's key file
+    server = StdioTransport(command=sys.executable, args=[str(MCP_SERVER), "stdio"], env=env)
+    async with Client(server) as client:
+        return await client.call_tool(
+            "transfer", {"amount": amount}, meta={"asiento/idempotency-key": key}
+        )
+
+
+def test_a_reconcile_the_server_answers_conflict_is_an_idempotency_key_conflict(
+    tmp_path: Path,
+) -> None:
+    """Killed after the step was submitted, before its call was sent; meanwhile the
+    step's key was used on the server for another transfer (other arguments). The
+    reconcile gets ``asiento/outcome: conflict``: IdempotencyKeyConflict, and the
+    step's own transfer is not made."""
+    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5")
+    options += ("--honours", "3600")
+    key = idem_key(RUN, "m1.t1", {"amount": 5})
+    with FakeProvider(TRANSFER) as provider:
+        crashed = run_pass(tmp_path, provider.openai_url, *options, crash_at="after_submitted")
+        assert crashed is None
+        assert transfers(tmp_path) == []
+        other = asyncio.run(_call_transfer(tmp_path, key, 7))
+        assert not other.is_error
+        resumed = run_pass(tmp_path, provider.openai_url, *options)
+    assert resumed is not None
+    assert resumed["ended"] == "IdempotencyKeyConflict", resumed
+    assert "first used with other arguments" in resumed["why"]
+    assert repr(key) in resumed["why"]
+    assert transfers(tmp_path) == [f'transfer {key} {{"amount": 7}}']  # only the other one
+    records = asyncio.run(_recorded(tmp_path / "runs.db", "m1.t1"))
+    assert Phase.RESULT not in records  # nothing settled: a person must look
+
+
+def test_a_reconcile_waits_while_the_first_call_still_runs_then_takes_its_answer(
+    tmp_path: Path,
+) -> None:
+    """The agent killed while its server still runs the transfer (the server goes on):
+    the resumed run's reconcile hears ``in-progress``, polls, and once the first call
+    finishes takes the server's recorded answer; the transfer happened once."""
+    options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5")
+    options += ("--honours", "3600")
+    gate, seen = tmp_path / "gate", tmp_path / "seen"
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    env |= {"MCP_HOLD": "transfer", "MCP_GATE": str(gate), "MCP_SEEN": str(seen)}
+    key = idem_key(RUN, "m1.t1", {"amount": 5})
+    servers: list[int] = []
+    with FakeProvider(TRANSFER) as provider:
+        argv = [
+            sys.executable, str(CHILD), str(tmp_path / "runs.db"), RUN, provider.openai_url,
+            str(tmp_path / "effects.log"), *options,
+        ]  # fmt: skip
+        errors = (tmp_path / "stderr").open("w")
+        first = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=errors)
+        resumed: subprocess.Popen[str] | None = None
+        try:
+            for _ in range(1500):  # the server applied the transfer and holds it
+                if transfers(tmp_path) or first.poll() is not None:
+                    break
+                threading.Event().wait(0.02)
+            assert transfers(tmp_path), (tmp_path / "stderr").read_text()
+            servers = _children(first.pid)
+            first.kill()  # the agent only: its server goes on with the transfer
+            first.wait(timeout=30)
+            resumed = subprocess.Popen(
+                argv, env=env, stdout=subprocess.PIPE, stderr=errors, text=True
+            )
+            waiting = f"transfer {key} in-progress"
+            for _ in range(1500):  # the reconcile asked and the server said in-progress
+                calls = seen.read_text().splitlines() if seen.exists() else []
+                if waiting in calls or resumed.poll() is not None:
+                    break
+                threading.Event().wait(0.02)
+            assert waiting in calls, (tmp_path / "stderr").read_text()
+            gate.touch()  # the first call finishes
+            out, _ = resumed.communicate(timeout=60)
+        finally:
+            for process in (first, resumed):
+                if process is not None and process.poll() is None:
+                    process.kill()
+                    process.wait(timeout=30)
+            for pid in servers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            errors.close()
+        told = json.dumps(provider.requests[-1].body)
+    assert resumed.returncode == 0, (tmp_path / "stderr").read_text()
+    done = json.loads(out.strip().splitlines()[-1])
+    assert done["ended"] == "closed", done
+    assert (done["tool_calls"], done["tools_replayed"]) == (0, 1)
+    assert transfers(tmp_path) == [f'transfer {key} {{"amount": 5}}']
+    answers = seen.read_text().splitlines()  # asked again until the server had the result
+    assert answers[0] == waiting
+    assert answers[-1] == f"transfer {key} -"
+    records = asyncio.run(_recorded(tmp_path / "runs.db", "m1.t1"))
+    assert records[Phase.RESULT]["value"] == "moved 5"
+    assert "moved 5" in told

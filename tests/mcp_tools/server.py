@@ -10,8 +10,9 @@ to exist, so a test can kill someone while the call is in flight. ``transfer``
 deduplicates by the asiento key in the call's ``_meta`` with
 ``asiento.mcp.server.IdempotencyKeys`` (SQLite at ``MCP_DEDUP``): a repeated key gets
 the first result, ``in-progress`` while the first call still runs, ``unknown`` when it
-never finished. ``MCP_VARIANT=drift``
-serves ``lookup`` with one more parameter.
+never finished. With ``MCP_SEEN`` set, every ``tools/call`` the server answers
+appends ``tool key outcome`` to that file (``-``: no ``asiento/outcome``).
+``MCP_VARIANT=drift`` serves ``lookup`` with one more parameter.
 """
 
 from __future__ import annotations
@@ -33,7 +34,23 @@ HOLD_SECONDS = 60.0
 
 # ``transfer`` is deduplicated by asiento's own server helper, the other end of the key.
 keys = IdempotencyKeys(os.environ["MCP_DEDUP"], ttl=3600, tools={"transfer"})
-app = MCPServer("notes", middleware=[keys])
+
+
+async def _seen(ctx: Any, call_next: Any) -> Any:
+    """Outside ``keys``: note each call once it is answered, and the answer's outcome."""
+    result = await call_next(ctx)
+    seen = os.environ.get("MCP_SEEN")
+    if seen and ctx.method == "tools/call":
+        params = ctx.params or {}
+        key = (params.get("_meta") or {}).get(KEY, "-")
+        wire = result if isinstance(result, dict) else result.model_dump(by_alias=True)
+        outcome = (wire.get("_meta") or {}).get("asiento/outcome", "-")
+        with open(seen, "a") as f:
+            f.write(f"{params.get('name')} {key} {outcome}\n")
+    return result
+
+
+app = MCPServer("notes", middleware=[_seen, keys])
 
 
 def _key(ctx: Context) -> str:
