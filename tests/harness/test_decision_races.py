@@ -17,7 +17,10 @@ from asiento.testing.invariants import INVARIANTS
 from asiento.testing.invoices import InvoiceServer
 
 SampleHarness = Callable[..., CrashHarness]
-TRIALS = 200  # of each kind of decision: the issue's "at least 200 trials each"
+# Of each kind of decision. Issue 12 asked for at least 200 of each: the on-demand tier
+# runs them (`bench/reliability.py --tier large`: 2,000 on SQLite, 1,000 on PostgreSQL);
+# here, 60 keep every order covered inside CI's 25 minutes.
+TRIALS = 60
 
 
 def test_approvals_and_resolutions_racing_a_replaying_pass(
