@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +42,38 @@ def provider() -> Iterator[FakeProvider]:
         yield p
 
 
-def run_pass(
-    tmp_path: Path, base_url: str, *extra: str, crash_at: str | None = None
-) -> dict[str, Any] | None:
-    """One pass in a new process; its JSON outcome, or None when it was killed."""
-    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
-    if crash_at:
-        env[ENV_VAR] = crash_at
-    argv = [
+def pass_argv(tmp_path: Path, base_url: str, *extra: str) -> list[str]:
+    """The command line of one pass of run ``RUN`` (``pydantic_ai_child.py``)."""
+    return [
         sys.executable, str(CHILD), str(tmp_path / "runs.db"), RUN, base_url,
         str(tmp_path / "effects.log"), *extra,
     ]  # fmt: skip
+
+
+def pass_env(**extra: str) -> dict[str, str]:
+    """This process's environment without a crash point, plus ``extra``."""
+    return {k: v for k, v in os.environ.items() if k != ENV_VAR} | extra
+
+
+def until(condition: Callable[[], object], child: subprocess.Popen[Any]) -> None:
+    """Wait (30 s at most) until ``condition()`` holds or ``child`` has exited."""
+    for _ in range(1500):
+        if condition() or child.poll() is not None:
+            return
+        threading.Event().wait(0.02)
+
+
+def run_pass(
+    tmp_path: Path,
+    base_url: str,
+    *extra: str,
+    crash_at: str | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any] | None:
+    """One pass in a new process (``env``: more variables); its JSON outcome, or None
+    when it was killed."""
+    env = pass_env(**(env or {}), **({ENV_VAR: crash_at} if crash_at else {}))
+    argv = pass_argv(tmp_path, base_url, *extra)
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
     if proc.returncode != 0:
         assert proc.returncode == KILLED, proc.stderr
@@ -789,20 +810,13 @@ def test_a_server_that_died_during_the_call_is_uncertain_even_when_declared(
     declared toolset's resume raises UncertainEffect naming that, and nothing runs again."""
     options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5", "--why")
     options += ("--honours", "3600")
-    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
-    env |= {"MCP_HOLD": "transfer", "MCP_GATE": str(tmp_path / "never")}
+    env = pass_env(MCP_HOLD="transfer", MCP_GATE=str(tmp_path / "never"))
     with FakeProvider(TRANSFER) as provider:
-        argv = [
-            sys.executable, str(CHILD), str(tmp_path / "runs.db"), RUN, provider.openai_url,
-            str(tmp_path / "effects.log"), *options,
-        ]  # fmt: skip
+        argv = pass_argv(tmp_path, provider.openai_url, *options)
         errors = (tmp_path / "stderr").open("w")
         child = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=errors)
         try:
-            for _ in range(1500):  # the server applied the transfer and holds it
-                if transfers(tmp_path) or child.poll() is not None:
-                    break
-                threading.Event().wait(0.02)
+            until(lambda: transfers(tmp_path), child)  # the server applied it and holds it
             assert transfers(tmp_path), (tmp_path / "stderr").read_text()
             for pid in _children(child.pid):
                 os.kill(pid, signal.SIGKILL)
@@ -823,18 +837,11 @@ def test_a_hook_that_sends_a_key_of_its_own_is_a_usage_error(tmp_path: Path) -> 
     and the call is never sent (the server saw no call, the transfer never ran)."""
     options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5")
     options += ("--hook", "--hook-key", "mine-1")
-    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
-    env["MCP_SEEN"] = str(tmp_path / "seen")
     with FakeProvider(TRANSFER) as provider:
-        argv = [
-            sys.executable, str(CHILD), str(tmp_path / "runs.db"), RUN, provider.openai_url,
-            str(tmp_path / "effects.log"), *options,
-        ]  # fmt: skip
-        proc = subprocess.run(
-            argv, env=env, capture_output=True, text=True, timeout=60, check=False
+        done = run_pass(
+            tmp_path, provider.openai_url, *options, env={"MCP_SEEN": str(tmp_path / "seen")}
         )
-    assert proc.returncode == 0, proc.stderr
-    done = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert done is not None  # not killed; run_pass asserts any other failure
     assert done["ended"] == "UsageError", done
     key = idem_key(RUN, "m1.t1", {"amount": 5})
     assert "process_tool_call hook" in done["why"]
@@ -894,23 +901,16 @@ def test_a_reconcile_waits_while_the_first_call_still_runs_then_takes_its_answer
     options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5")
     options += ("--honours", "3600")
     gate, seen = tmp_path / "gate", tmp_path / "seen"
-    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
-    env |= {"MCP_HOLD": "transfer", "MCP_GATE": str(gate), "MCP_SEEN": str(seen)}
+    env = pass_env(MCP_HOLD="transfer", MCP_GATE=str(gate), MCP_SEEN=str(seen))
     key = idem_key(RUN, "m1.t1", {"amount": 5})
     servers: list[int] = []
     with FakeProvider(TRANSFER) as provider:
-        argv = [
-            sys.executable, str(CHILD), str(tmp_path / "runs.db"), RUN, provider.openai_url,
-            str(tmp_path / "effects.log"), *options,
-        ]  # fmt: skip
+        argv = pass_argv(tmp_path, provider.openai_url, *options)
         errors = (tmp_path / "stderr").open("w")
         first = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=errors)
         resumed: subprocess.Popen[str] | None = None
         try:
-            for _ in range(1500):  # the server applied the transfer and holds it
-                if transfers(tmp_path) or first.poll() is not None:
-                    break
-                threading.Event().wait(0.02)
+            until(lambda: transfers(tmp_path), first)  # the server applied it and holds it
             assert transfers(tmp_path), (tmp_path / "stderr").read_text()
             servers = _children(first.pid)
             first.kill()  # the agent only: its server goes on with the transfer
@@ -919,12 +919,12 @@ def test_a_reconcile_waits_while_the_first_call_still_runs_then_takes_its_answer
                 argv, env=env, stdout=subprocess.PIPE, stderr=errors, text=True
             )
             waiting = f"transfer {key} in-progress"
-            for _ in range(1500):  # the reconcile asked and the server said in-progress
-                calls = seen.read_text().splitlines() if seen.exists() else []
-                if waiting in calls or resumed.poll() is not None:
-                    break
-                threading.Event().wait(0.02)
-            assert waiting in calls, (tmp_path / "stderr").read_text()
+
+            def answered() -> list[str]:
+                return seen.read_text().splitlines() if seen.exists() else []
+
+            until(lambda: waiting in answered(), resumed)  # the server said in-progress
+            assert waiting in answered(), (tmp_path / "stderr").read_text()
             gate.touch()  # the first call finishes
             out, _ = resumed.communicate(timeout=60)
         finally:
