@@ -19,7 +19,6 @@ test.
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,9 +31,9 @@ from pydantic_ai.mcp import MCPToolset, ToolResult
 from pydantic_ai.toolsets import AbstractToolset, ToolsetTool, WrapperToolset
 
 from ..effects.base import IdempotencyKeyConflict, Reconcile, distrust_key, reconcile
-from ..errors import AsientoError, McpCallLost, UsageError
-from ..mcp._keys import CONFLICT, IDEMPOTENCY_KEY, IN_PROGRESS, REPLAYED, UNKNOWN
-from ..mcp._runner import _POLL_FIRST, _POLL_MAX, flag
+from ..errors import AsientoError, UsageError
+from ..mcp._keys import CONFLICT, IDEMPOTENCY_KEY, REPLAYED, UNKNOWN
+from ..mcp._runner import flag, until_settled
 
 IN_PROGRESS_WAIT = 30.0  # seconds a reconcile waits while the server says the first call runs
 
@@ -189,23 +188,19 @@ async def _answer(
 ) -> Any:
     """The reconcile's call, on the FastMCP client, so the server's flags can be read
     (Pydantic AI maps an error result to ``ModelRetry`` and drops its ``_meta``)."""
-    loop = asyncio.get_running_loop()
-    deadline, pause = loop.time() + IN_PROGRESS_WAIT, _POLL_FIRST
     where = f"MCP toolset {leaf.id!r}, tool {name!r}, key {meta[IDEMPOTENCY_KEY]!r}"
+
+    async def ask() -> Any:
+        return await leaf.client.call_tool(
+            name=name, arguments=args, meta=meta, raise_on_error=False
+        )
+
+    late = (
+        f"{where}: the first call was still running after {IN_PROGRESS_WAIT:g}s; "
+        "resume the run later"
+    )
     async with leaf:
-        while True:
-            result = await leaf.client.call_tool(
-                name=name, arguments=args, meta=meta, raise_on_error=False
-            )
-            if flag(result) != IN_PROGRESS:
-                break
-            if loop.time() + pause > deadline:
-                raise McpCallLost(
-                    f"{where}: the first call was still running after {IN_PROGRESS_WAIT:g}s; "
-                    "resume the run later"
-                )
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX)
+        result = await until_settled(ask, wait=IN_PROGRESS_WAIT, late=late)
     said = flag(result)
     if said == CONFLICT:
         raise IdempotencyKeyConflict(

@@ -15,9 +15,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mcp.shared.exceptions import MCPError
 from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT, CallToolResult
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from ._source import McpServer
 
 _POLL_FIRST, _POLL_MAX = 0.05, 1.0
+R = TypeVar("R", bound="Answer | Outcome")
 
 
 class McpRunner:
@@ -96,9 +97,8 @@ class McpRunner:
     async def _answer(self, tool: McpTool, intent: Intent) -> CallToolResult | Outcome:
         """The server's result for the frozen key, waiting while it says the first call
         still runs; a JSON-RPC error is the server's refusal, recorded as the outcome."""
-        loop = asyncio.get_running_loop()
-        deadline, pause = loop.time() + self.server.in_progress_wait, _POLL_FIRST
-        while True:
+
+        async def ask() -> CallToolResult | Outcome:
             try:
                 result: CallToolResult = await self.server.call(
                     tool.remote_name, intent.args, str(intent.idem_key)
@@ -109,16 +109,31 @@ class McpRunner:
                 if exc.code in (CONNECTION_CLOSED, REQUEST_TIMEOUT):
                     raise McpCallLost(_lost_why(tool, str(exc))) from None
                 return Outcome.failed(f"the MCP server refused the call ({exc.code}): {exc}")
-            if flag(result) != IN_PROGRESS:
-                return result
-            if loop.time() + pause > deadline:
-                raise McpCallLost(
-                    f"MCP server {tool.server!r}: the first call of tool {tool.remote_name!r} "
-                    f"under key {intent.idem_key!r} was still running after "
-                    f"{self.server.in_progress_wait:g}s; resume the run later"
-                )
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, _POLL_MAX)
+            return result
+
+        wait = self.server.in_progress_wait
+        late = (
+            f"MCP server {tool.server!r}: the first call of tool {tool.remote_name!r} "
+            f"under key {intent.idem_key!r} was still running after {wait:g}s; resume the "
+            "run later"
+        )
+        return await until_settled(ask, wait=wait, late=late)
+
+
+async def until_settled(ask: Callable[[], Awaitable[R]], *, wait: float, late: str) -> R:
+    """``ask()``'s first answer that is not the server's "the key's first call still
+    runs", asking again with a growing pause; after ``wait`` seconds ``McpCallLost(late)``.
+    An ``Outcome`` (a refusal the caller recorded) is an answer too."""
+    loop = asyncio.get_running_loop()
+    deadline, pause = loop.time() + wait, _POLL_FIRST
+    while True:
+        answer = await ask()
+        if isinstance(answer, Outcome) or flag(answer) != IN_PROGRESS:
+            return answer
+        if loop.time() + pause > deadline:
+            raise McpCallLost(late)
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, _POLL_MAX)
 
 
 def _mcp(tool: Tool) -> McpTool:
