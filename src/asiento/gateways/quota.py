@@ -159,10 +159,7 @@ class Quota:
         semaphore = self._semaphores.get(loop)
         if semaphore is None:
             semaphore = self._semaphores[loop] = asyncio.Semaphore(self.max_concurrent)
-        if semaphore.locked():
-            await shutdown.before_stop(semaphore.acquire(), _WAITING)
-        else:
-            await semaphore.acquire()
+        await _take(semaphore)
         try:
             yield await self._admit(loop, tokens)
         finally:
@@ -177,10 +174,7 @@ class Quota:
             queue = self._queues[loop] = asyncio.Lock()
             self._wakers[loop] = asyncio.Event()
         woken = self._wakers[loop]
-        if queue.locked():
-            await shutdown.before_stop(queue.acquire(), _WAITING)
-        else:
-            await queue.acquire()
+        await _take(queue)
         try:
             while True:
                 admitted = self._try_admit(tokens)
@@ -222,6 +216,14 @@ class Quota:
             f"requests_per_minute={self.requests_per_minute!r}, "
             f"tokens_per_minute={self.tokens_per_minute!r}, window={self.window:g})"
         )
+
+
+async def _take(place: asyncio.Semaphore | asyncio.Lock) -> None:
+    """Acquire ``place``; a wait for it (nothing sent yet) ends on a shutdown request."""
+    if place.locked():
+        await shutdown.before_stop(place.acquire(), _WAITING)
+    else:
+        await place.acquire()  # free: no task made to watch for a shutdown
 
 
 def _limit(name: str, value: int | None) -> int | None:

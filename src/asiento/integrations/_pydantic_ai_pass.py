@@ -9,9 +9,10 @@ Pydantic AI's deferred approvals are asiento approvals.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -313,30 +314,21 @@ class Pass:
                 "(durable_run(honours_keys={toolset id: key TTL}))"
             )
         age = await self.store.age(self.run_id, step_id, Phase.SUBMITTED)
-        where = context.StepContext(
-            run_id=self.run_id, step_id=step_id, attempt_id=attempt_id, tool=name
-        )
-        token = context.enter(where)
         try:
-            value, replayed = await reconcile_call(
-                key, run, toolset_id=leaf.id, key_ttl=self.honours[leaf.id], age=age
-            )
+            with self._in_step(step_id, attempt_id, name):
+                value, replayed = await reconcile_call(
+                    key, run, toolset_id=leaf.id, key_ttl=self.honours[leaf.id], age=age
+                )
         except NotReconciled as exc:
             return str(exc)
         except ModelRetry as exc:  # the recorded answer is the tool's error
-            await self.append(self.event(attempt_id, Phase.RESULT, _retry(exc).to_json()))
+            await self._keep_retry(attempt_id, exc)
             raise
-        finally:
-            context.leave(token)
         if replayed:
             self.stats.tool_calls_replayed += 1
         else:  # the first call never reached the server: this one did the work
             self.stats.tool_calls += 1
-        crash_point("after_tool")
-        outcome = Outcome.ok(to_jsonable_python(value))
-        await self.append(self.event(attempt_id, Phase.RESULT, outcome.to_json()))
-        crash_point("after_result")
-        return _Settled(value)
+        return _Settled(await self._keep(attempt_id, value))
 
     async def decisions(
         self, requests: DeferredToolRequests
@@ -401,14 +393,11 @@ class Pass:
     async def _execute(
         self, step_id: str, attempt_id: str, name: str, run: Callable[[], Awaitable[Any]]
     ) -> Any:
-        where = context.StepContext(
-            run_id=self.run_id, step_id=step_id, attempt_id=attempt_id, tool=name
-        )
-        token = context.enter(where)
         try:
-            value = await run()
+            with self._in_step(step_id, attempt_id, name):
+                value = await run()
         except ModelRetry as exc:  # the tool knows it did nothing: the model is asked again
-            await self.append(self.event(attempt_id, Phase.RESULT, _retry(exc).to_json()))
+            await self._keep_retry(attempt_id, exc)
             raise
         except (ApprovalRequired, CallDeferred) as exc:
             unsent = Resolution(
@@ -416,14 +405,32 @@ class Pass:
             )
             await self.append(self.event(attempt_id, Phase.RESOLUTION, unsent.to_json()))
             raise
+        self.stats.tool_calls += 1
+        return await self._keep(attempt_id, value)
+
+    @contextlib.contextmanager
+    def _in_step(self, step_id: str, attempt_id: str, name: str) -> Iterator[None]:
+        """The tool's call runs in its step (``context.current_step()``, the MCP key)."""
+        where = context.StepContext(
+            run_id=self.run_id, step_id=step_id, attempt_id=attempt_id, tool=name
+        )
+        token = context.enter(where)
+        try:
+            yield
         finally:
             context.leave(token)
-        self.stats.tool_calls += 1
+
+    async def _keep(self, attempt_id: str, value: Any) -> Any:
+        """The call's value recorded as the step's result, between a native step's crash
+        points; handed back to the agent."""
         crash_point("after_tool")
         outcome = Outcome.ok(to_jsonable_python(value))
         await self.append(self.event(attempt_id, Phase.RESULT, outcome.to_json()))
         crash_point("after_result")
         return value
+
+    async def _keep_retry(self, attempt_id: str, exc: ModelRetry) -> None:
+        await self.append(self.event(attempt_id, Phase.RESULT, _retry(exc).to_json()))
 
     async def close(self, output: Any, messages: Sequence[ModelMessage]) -> None:
         final = Final(step=step_ids.model(self.turns), text=shown(output)).to_json() | {
