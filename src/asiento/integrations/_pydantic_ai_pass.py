@@ -8,7 +8,6 @@ Pydantic AI's deferred approvals are asiento approvals.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
@@ -28,11 +27,12 @@ from pydantic_core import to_jsonable_python
 from .. import context, shutdown, step_ids
 from .._canonical import fingerprint, idem_key, key_header, model_key
 from .._crash import crash_point
-from ..errors import AsientoError, ReplayDivergence, UncertainEffect, UsageError
+from ..errors import ReplayDivergence, UncertainEffect, UsageError
 from ..events import Decision, Lease, Phase, RunStatus, StepEvent
 from ..payloads import SUBMITTED, Approval, Final, Intent, ModelResult, Outcome, Resolution
 from ..replay import Action, Indexed, decide, index, step_state, tool_drift
 from ..session import Session
+from ._commits import HeldCommits
 from ._pydantic_ai_records import (
     dump_messages,
     is_mcp_tool,
@@ -50,7 +50,7 @@ OUTPUT_KEY = "pydantic_ai_output"
 MESSAGES_KEY = "pydantic_ai_messages"
 
 
-class Pass:
+class Pass(HeldCommits):
     """One pass over a Pydantic AI run: the journal as loaded, and what this pass adds."""
 
     def __init__(
@@ -63,58 +63,14 @@ class Pass:
         *,
         honours: Mapping[str, float | None] | None = None,
     ) -> None:
-        self.session, self.lease, self.idempotent = session, lease, idempotent
+        super().__init__(session.run_id, session.store, lease, journal)
+        self.session, self.idempotent, self.stats = session, idempotent, session.stats
         self.trusted = trusted
         self.honours = dict(honours or {})  # MCP toolset id -> its server's key TTL
         self.keyed: set[int] = set()  # the MCP toolsets whose calls carry the key (id())
-        self.run_id, self.store, self.stats = session.run_id, session.store, session.stats
-        self.journal = journal
         self.turns = 0  # model requests made or replayed so far: the next is m{turns + 1}
         self.tool_steps: dict[str, str] = {}  # tool call id -> its step id
         self.tool_args: dict[str, dict[str, Any]] = {}  # tool call id -> the model's arguments
-        self.held: list[StepEvent] = []  # a new model answer, for the next commit
-        self.writing = asyncio.Lock()  # commits in the order they were asked for
-
-    async def append(self, *events: StepEvent, status: RunStatus | None = None) -> None:
-        """Commit ``events`` in one transaction, after the model answer held for it.
-
-        A model answer waits for what follows it (its first tool's intent and
-        submitted, or the final record), as in the native loop: a model+tool step costs
-        two commits. Parallel tool calls append concurrently; the lock keeps their
-        commits in the order they took the held answer, so an intent is never durable
-        before the answer that asked for it.
-        """
-        batch, self.held = [*self.held, *events], []
-        if not batch:
-            if status is not None:
-                await self.store.set_status(self.run_id, status, lease=self.lease)
-            return
-        async with self.writing:
-            await self.store.append(*batch, status=status, lease=self.lease)
-        for event in batch:
-            self.journal.setdefault(event.step_id, {})[event.phase] = event
-        if any(e.phase is Phase.RESULT and step_ids.is_model(e.step_id) for e in batch):
-            crash_point("after_model_result")
-
-    async def keep_paid_answer(self) -> None:
-        """The pass stopped before a commit took the held answer (an error, a shutdown, a
-        validator's failure): record it all the same, so the next pass does not pay it."""
-        try:
-            await self.settle()
-        except AsientoError as exc:
-            log.warning("run %r: could not record the last answer: %s", self.run_id, exc)
-
-    async def settle(self) -> None:
-        """Commit a held model answer now: the pass ends, or asks the model again first."""
-        if self.held:
-            await self.append()
-
-    def event(
-        self, step_id: str, phase: Phase, payload: Any, decision: Decision | None = None
-    ) -> StepEvent:
-        return StepEvent(
-            run_id=self.run_id, step_id=step_id, phase=phase, payload=payload, decision=decision
-        )
 
     def boundary(self, step_id: str) -> None:
         """Before a step: stop here if a shutdown was requested (a held model answer is
@@ -153,7 +109,7 @@ class Pass:
             self.stats.output_tokens += response.usage.output_tokens
             tools = tool_digests(parameters) if step_id == step_ids.model(1) else None
             payload = model_payload(fp, response, tools)
-            self.held.append(self.event(step_id, Phase.RESULT, payload))
+            self.hold(self.event(step_id, Phase.RESULT, payload))
         for number, (call_id, args) in enumerate(tool_calls(response), 1):
             self.tool_steps[call_id] = step_ids.tool(step_id, number)
             self.tool_args[call_id] = args

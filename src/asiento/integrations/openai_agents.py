@@ -29,7 +29,7 @@ import dataclasses
 import inspect
 import json
 import logging
-from collections.abc import AsyncIterator, Collection, Mapping
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -48,9 +48,10 @@ from ..events import Decision, Lease, Phase, RunStatus, Step, StepEvent
 from ..journal.base import Checkpointer
 from ..model import ModelRequest, ModelResponse
 from ..payloads import SUBMITTED, Approval, Final, Intent, ModelResult, Outcome, Resolution
-from ..replay import Action, Indexed, StepState, decide, index, step_state
+from ..replay import Action, StepState, decide, index, step_state
 from ..session import RunStats, Session
 from . import _oa_wire as wire
+from ._commits import HeldCommits
 from ._worker import pass_end, shown
 
 __all__ = ["DurableResult", "durable_run"]
@@ -202,7 +203,7 @@ async def _drive(
             run_id=run.run_id, final_output=None, replayed=False, awaiting=stop.awaiting
         )
     finally:
-        await run.keep_paid_answers()
+        await run.keep_paid_answer()
     await run.close(result.final_output)
     return DurableResult(
         run_id=run.run_id, final_output=result.final_output, replayed=False, result=result
@@ -243,7 +244,7 @@ class _Stop(BaseException):
         self.error, self.awaiting = error, awaiting
 
 
-class _Run:
+class _Run(HeldCommits):
     """One pass over one run: the journal as loaded, the step ids handed out so far."""
 
     def __init__(
@@ -254,9 +255,8 @@ class _Run:
         idempotent: frozenset[str],
         stats: RunStats,
     ) -> None:
-        self.run_id, self.store, self.lease, self.stats = run_id, store, lease, stats
-        self.idempotent = idempotent
-        self.journal: Indexed = {}
+        super().__init__(run_id, store, lease, {})
+        self.idempotent, self.stats = idempotent, stats
         self.turn = 0
         self.calls: dict[str, str] = {}  # the SDK's call id -> its step id
         self.handoffs: list[str] = []  # step ids of handoff calls not yet invoked
@@ -264,8 +264,6 @@ class _Run:
         self.tool_names: set[str] = set()
         self.last_step = ""
         self.running: dict[str, asyncio.Event] = {}  # tool steps executing now
-        self.pending: list[StepEvent] = []  # a new answer, recorded with the next commit
-        self.writing = asyncio.Lock()  # commits in the order they took ``pending``
 
     async def load(self) -> None:
         self.journal = index(await self.store.load(self.run_id))
@@ -374,12 +372,7 @@ class _Run:
         costs two commits, as a native one does."""
         result = ModelResult(fp=fp, response=wire.summary(response, model))
         payload = result.to_json() | {wire.RESPONSE_KEY: wire.dump_response(response)}
-        self.pending.append(self._event(step_id, Phase.RESULT, payload))
-
-    async def flush(self) -> None:
-        """Make the answer waiting for the next commit durable now."""
-        if self.pending:
-            await self._append()
+        self.hold(self.event(step_id, Phase.RESULT, payload))
 
     def number_calls(self, step_id: str, response: SdkResponse, handoffs: set[str]) -> None:
         """Give each function call of the answer its step id, from its position in it."""
@@ -403,8 +396,8 @@ class _Run:
             return _value(Resolution.from_json(records[Phase.RESOLUTION].payload).as_outcome())
         if action is Action.FEED_DENIAL:
             denial = Approval.from_json(records[Phase.APPROVAL].payload).as_outcome()
-            event = self._event(step_id, Phase.RESULT, denial.to_json(), Decision.DENIED)
-            await self._append(event)
+            event = self.event(step_id, Phase.RESULT, denial.to_json(), Decision.DENIED)
+            await self.append(event)
             return _value(denial)
         if action is Action.UNCERTAIN:
             stop = _Stop(UncertainEffect(self.run_id, state.current_id, call.name))
@@ -416,23 +409,23 @@ class _Run:
     async def _execute(self, state: StepState, call: _Call, *, start: bool) -> Any:
         """Intent (for a new step) and submitted durable, then the tool once, then its result."""
         step_id, attempt_id = state.step_id, state.next_id
-        events = [self._event(attempt_id, Phase.SUBMITTED, SUBMITTED)]
+        events = [self.event(attempt_id, Phase.SUBMITTED, SUBMITTED)]
         if start:
             args = _arguments(call.args_json)
             intent = Intent(tool=call.name, args=args, fp=fingerprint(args)[:32]).to_json()
             if await call.needs_approval(args):
-                ask = self._event(step_id, Phase.INTENT, intent, Decision.REQUIRE_APPROVAL)
-                await self._append(ask, status=RunStatus.SUSPENDED)
+                ask = self.event(step_id, Phase.INTENT, intent, Decision.REQUIRE_APPROVAL)
+                await self.append(ask, status=RunStatus.SUSPENDED)
                 await self._halt(_Stop(awaiting=step_id))
-            events.insert(0, self._event(step_id, Phase.INTENT, intent, Decision.ALLOW))
+            events.insert(0, self.event(step_id, Phase.INTENT, intent, Decision.ALLOW))
         done = self.running[step_id] = asyncio.Event()
         try:
-            await self._append(*events)
+            await self.append(*events)
             crash_point("after_submitted")
             outcome = await _outcome_of(call.invoke)
             crash_point("after_tool")
             decision = Decision.APPROVED if Phase.APPROVAL in state.records else None
-            await self._append(self._event(attempt_id, Phase.RESULT, outcome.to_json(), decision))
+            await self.append(self.event(attempt_id, Phase.RESULT, outcome.to_json(), decision))
             crash_point("after_result")
         finally:
             done.set()
@@ -444,7 +437,7 @@ class _Run:
     ) -> Any:
         """Mark the run as waiting for a person's record and stop; if that record came
         after this pass read the journal, read it and go on with it instead."""
-        await self.flush()
+        await self.settle()
         waiting = await self.store.set_status(
             self.run_id,
             RunStatus.UNCERTAIN if stop.error is not None else RunStatus.SUSPENDED,
@@ -473,40 +466,12 @@ class _Run:
             )
         return step_id
 
-    def _event(
-        self,
-        step_id: str,
-        phase: Phase,
-        payload: Mapping[str, Any],
-        decision: Decision | None = None,
-    ) -> StepEvent:
-        return StepEvent(
-            run_id=self.run_id, step_id=step_id, phase=phase, payload=payload, decision=decision
-        )
-
-    async def _append(self, *events: StepEvent, status: RunStatus | None = None) -> None:
-        batch, self.pending = [*self.pending, *events], []
-        async with self.writing:  # parallel calls: no intent durable before its answer
-            await self.store.append(*batch, status=status, lease=self.lease)
-        for event in batch:
-            self.journal.setdefault(event.step_id, {})[event.phase] = event
-        if any(step_ids.is_model(e.step_id) for e in batch):
-            crash_point("after_model_result")
-
-    async def keep_paid_answers(self) -> None:
-        """The SDK stopped (an error, a guardrail, max turns): an answer already paid for
-        is recorded all the same, so the next pass does not pay it again."""
-        try:
-            await self.flush()
-        except AsientoError as exc:
-            log.warning("run %r: could not record the last answer: %s", self.run_id, exc)
-
     async def close(self, output: Any) -> None:
         recorded = wire.jsonable(output)
         text = recorded if isinstance(recorded, str) else json.dumps(recorded, ensure_ascii=False)
         payload = Final(step=self.last_step, text=text).to_json() | {"output": recorded}
-        event = self._event(step_ids.FINAL, Phase.RESULT, payload)
-        await self._append(event, status=RunStatus.CLOSED)
+        event = self.event(step_ids.FINAL, Phase.RESULT, payload)
+        await self.append(event, status=RunStatus.CLOSED)
 
 
 class _JournaledProvider(ModelProvider):
@@ -556,7 +521,7 @@ class _JournaledModel(Model):
         )
         response = run.recorded(step_id, fp)
         if response is None:
-            await run.flush()  # the answers before this one are durable before it is asked
+            await run.settle()  # the answers before this one are durable before it is asked
             key = model_key(run.run_id, step_id, fp)
             headers = {**(model_settings.extra_headers or {}), **key_header(key)}
             response = await self.inner.get_response(
@@ -646,10 +611,10 @@ class _JournaledHandoff:
         name = self.handoff.tool_name
         intent = Intent(tool=name, args=args, fp=fingerprint(args)[:32])
         run = self.run
-        await run._append(
-            run._event(step_id, Phase.INTENT, intent.to_json(), Decision.ALLOW),
-            run._event(step_id, Phase.SUBMITTED, SUBMITTED),
-            run._event(step_id, Phase.RESULT, Outcome.ok({"handoff": target}).to_json()),
+        await run.append(
+            run.event(step_id, Phase.INTENT, intent.to_json(), Decision.ALLOW),
+            run.event(step_id, Phase.SUBMITTED, SUBMITTED),
+            run.event(step_id, Phase.RESULT, Outcome.ok({"handoff": target}).to_json()),
         )
 
 
