@@ -114,21 +114,10 @@ async def durable_run(
     an outcome is asked again under the same key while the key is live, and the
     server's record of it is the outcome. ``lease`` is one a worker claimed.
     """
-    if not isinstance(agent, Agent):
-        raise UsageError(f"durable_run() takes a pydantic_ai.Agent, got {agent!r}")
+    options = _options(agent, model, idempotent, trusted_mcp, honours_keys, deps, who="durable_run")
     if not isinstance(prompt, str):
         raise UsageError(f"durable_run(prompt=...) must be a str, got {type(prompt).__name__}")
-    chosen = model if model is not None else agent.model
-    if chosen is None:
-        raise UsageError("durable_run(): the agent has no model; pass model=...")
     session = Session(run_id, _FrameworkModel(), store, lease_ttl=lease_ttl, wait=wait, lease=lease)
-    options = _Options(
-        chosen,
-        frozenset(idempotent),
-        frozenset(trusted_mcp),
-        deps,
-        _honours(honours_keys, who="durable_run"),
-    )
     return await _drive(agent, prompt, session, options, message_history)
 
 
@@ -243,19 +232,10 @@ class WorkerAgent:
         model: Model | str | None = None,
         deps: Any = None,
     ) -> None:
-        if not isinstance(agent, Agent):
-            raise UsageError(f"WorkerAgent() takes a pydantic_ai.Agent, got {agent!r}")
-        chosen = model if model is not None else agent.model
-        if chosen is None:
-            raise UsageError("WorkerAgent(): the agent has no model; pass model=...")
-        self.agent = agent
-        self.options = _Options(
-            chosen,
-            frozenset(idempotent),
-            frozenset(trusted_mcp),
-            deps,
-            _honours(honours_keys, who="WorkerAgent"),
+        self.options = _options(
+            agent, model, idempotent, trusted_mcp, honours_keys, deps, who="WorkerAgent"
         )
+        self.agent = agent
 
     async def run(self, task: str, *, session: Session) -> AsyncIterator[Step]:
         """The pass's end as the worker counts it: a ``FinalStep``, or an ``ApprovalStep``
@@ -269,6 +249,26 @@ class WorkerAgent:
             abandoned=result.abandoned,
         ):
             yield step
+
+
+def _options(  # noqa: PLR0917 (durable_run's and WorkerAgent's own arguments, in order)
+    agent: Agent[Any, Any],
+    model: Model | str | None,
+    idempotent: Iterable[str],
+    trusted_mcp: Iterable[str],
+    honours_keys: Mapping[str, float | None] | None,
+    deps: Any,
+    *,
+    who: str,
+) -> _Options:
+    """The arguments ``who`` (``durable_run``, ``WorkerAgent``) was given, checked."""
+    if not isinstance(agent, Agent):
+        raise UsageError(f"{who}() takes a pydantic_ai.Agent, got {agent!r}")
+    chosen = model if model is not None else agent.model
+    if chosen is None:
+        raise UsageError(f"{who}(): the agent has no model; pass model=...")
+    honours = _honours(honours_keys, who=who)
+    return _Options(chosen, frozenset(idempotent), frozenset(trusted_mcp), deps, honours)
 
 
 def _honours(declared: Mapping[str, float | None] | None, *, who: str) -> dict[str, float | None]:
