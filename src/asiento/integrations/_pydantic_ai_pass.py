@@ -138,28 +138,28 @@ class Pass(HeldCommits):
 
     # -- tool steps ----------------------------------------------------------------
 
-    def is_idempotent(self, name: str, tool: ToolsetTool[Any] | None) -> bool:
-        """Declared by the user, or by a trusted MCP server's annotations (docs/mcp.md)."""
+    def is_idempotent(self, name: str, tool: ToolsetTool[Any] | None, leaf: Any) -> bool:
+        """Declared by the user, or by a trusted MCP server's annotations (docs/mcp.md);
+        ``leaf``: the tool's MCP toolset (``_mcp_leaf``), whose id is the one trusted."""
         if name in self.idempotent:
             return True
         if tool is None or not is_mcp_tool(tool):
             return False
         from ..mcp import treatment  # an MCP tool: the mcp extra is there
-        from ._pydantic_ai_mcp import mcp_leaf
 
-        leaf = mcp_leaf(tool)
         trusted = (leaf.id if leaf is not None else tool.toolset.id) in self.trusted
         annotations = (tool.tool_def.metadata or {})["annotations"]
         return treatment(annotations, trusted=trusted).idempotent
 
-    def keyed_leaf(self, tool: ToolsetTool[Any] | None) -> Any:
-        """The MCP toolset of ``tool`` when its calls carry the step's key, else None."""
+    @staticmethod
+    def _mcp_leaf(tool: ToolsetTool[Any] | None) -> Any:
+        """The MCP toolset ``tool``'s calls reach, or None (not an MCP tool, or behind a
+        toolset asiento cannot see through)."""
         if tool is None or not is_mcp_tool(tool):
             return None
         from ._pydantic_ai_mcp import mcp_leaf
 
-        leaf = mcp_leaf(tool)
-        return leaf if leaf is not None and id(leaf) in self.keyed else None
+        return mcp_leaf(tool)
 
     async def tool_step(
         self,
@@ -178,8 +178,9 @@ class Pass(HeldCommits):
         self.boundary(step_id)
         state = step_state(self.journal, step_id)
         records = state.records
-        action = decide(records, idempotent=self.is_idempotent(name, tool))
-        leaf = self.keyed_leaf(tool)
+        mcp = self._mcp_leaf(tool)
+        action = decide(records, idempotent=self.is_idempotent(name, tool, mcp))
+        leaf = mcp if mcp is not None and id(mcp) in self.keyed else None  # carries the key
         key = None if leaf is None else _frozen_key(self.run_id, step_id, records)
         if action is Action.FEED_RESULT:
             self.stats.tool_calls_replayed += 1
