@@ -1126,7 +1126,8 @@ def first_lines(proc: subprocess.Popen[str], n: int) -> list[str]:
 
 def test_unpark_gives_a_parked_run_back_with_a_fresh_count(tmp_path: Path) -> None:
     """`asiento unpark` gives a parked run back to the workers (status running, waiting for a
-    worker) and resets its claim count."""
+    worker) and resets its claim and lapse counts (parked here by its lapses: its
+    claims lapsed with no tool in flight)."""
     import asyncio
 
     from asiento import RunStatus, SqliteCheckpointer, submit
@@ -1136,10 +1137,10 @@ def test_unpark_gives_a_parked_run_back_with_a_fresh_count(tmp_path: Path) -> No
         store = SqliteCheckpointer(tmp_path / "runs.db")
         await submit(store, "r1", "task")
         for _ in range(2):
-            claim = await store.claim(Holder.here(), ttl=0.01, max_attempts=2)
+            claim = await store.claim(Holder.here(), ttl=0.01, max_attempts=2, max_lapses=2)
             assert claim is not None
             await asyncio.sleep(0.02)
-        assert await store.claim(Holder.here(), ttl=1, max_attempts=2) is None
+        assert await store.claim(Holder.here(), ttl=1, max_attempts=2, max_lapses=2) is None
         assert [r.status for r in await store.runs()] == [RunStatus.PARKED]
 
     asyncio.run(park())
@@ -1151,7 +1152,7 @@ def test_unpark_gives_a_parked_run_back_with_a_fresh_count(tmp_path: Path) -> No
     async def check() -> None:
         store = SqliteCheckpointer(tmp_path / "runs.db")
         [info] = await store.runs()
-        assert (info.status, info.attempts) == (RunStatus.RUNNING, 0)
+        assert (info.status, info.attempts, info.lapses) == (RunStatus.RUNNING, 0, 0)
         assert info.reason == "unparked by ana: fixed the tool"
         assert await store.claim(Holder.here(), ttl=1, max_attempts=2) is not None
 

@@ -78,6 +78,10 @@ class RunInfo:
     ``lease_host`` and ``lease_pid``: where the lease's holder runs (``Holder.host``, its
     process id there), so a person can tell which worker drives the run; None when
     nobody holds it.
+
+    ``attempts``: the claims counted against the run since its last stable state; a
+    claim whose lease lapsed while none of its tools was in flight is not among them
+    but among its ``lapses`` (in a row, with no new record in between: docs/fleet.md).
     """
 
     run_id: str
@@ -108,6 +112,7 @@ class RunInfo:
     budget_model_calls: int | None = None
     lease_host: str | None = None
     lease_pid: int | None = None
+    lapses: int = 0
 
     @property
     def steps(self) -> int:
@@ -123,12 +128,19 @@ class RunInfo:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Claim:
-    """A submitted run a worker claimed: its lease, its task and which agent drives it."""
+    """A submitted run a worker claimed: its lease, its task and which agent drives it.
+
+    ``attempts``: the claims counted against the run, this one included.
+    ``in_flight``: the record id of the run's tool step that was in flight when its
+    previous claim's lease lapsed (its worker died, or stopped renewing), for which that
+    claim was counted; None when the previous claim ended otherwise.
+    """
 
     lease: Lease
     task: str
     agent: str
     attempts: int
+    in_flight: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

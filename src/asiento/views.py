@@ -23,6 +23,7 @@ from . import step_ids
 from .effects.records import EffectRecord, effect_records_of
 from .errors import UsageError
 from .events import Decision, Phase, RunInfo, RunStatus, StepEvent
+from .journal._rules import in_flight
 from .journal.base import Checkpointer
 from .model import ModelResponse
 from .payloads import (
@@ -114,6 +115,17 @@ def budget_stop_of(events: Sequence[StepEvent]) -> tuple[str, BudgetStop] | None
         if step_ids.is_budget(step_id) and Phase.INTENT in phases and Phase.APPROVAL not in phases:
             return step_id, BudgetStop.from_json(phases[Phase.INTENT].payload)
     return None
+
+
+def tool_in_flight(events: Sequence[StepEvent]) -> str | None:
+    """``tool 'pay' (step m1.t1)``: the run's tool step whose effect left and whose outcome
+    never came back (``_rules.in_flight``, what a lapsed claim is blamed on); None if none."""
+    record_id = in_flight((e.step_id, e.phase.value) for e in events)
+    if record_id is None:
+        return None
+    intent = index(events).get(step_ids.base(record_id), {}).get(Phase.INTENT)
+    name = "?" if intent is None else Intent.from_json(intent.payload).tool
+    return f"tool {name!r} (step {record_id})"
 
 
 def waiting(state: StepState, kind: Waits) -> Waiting:

@@ -54,7 +54,12 @@ class App:
     agents: Mapping[str, Agent | Drivable]
     gateway: Gateway | Callable[[], Gateway]
     lease_ttl: float = 30.0
+    # Claims counted against a run before it is parked: a pass that failed, or a worker
+    # that died while one of the run's tools was in flight (docs/fleet.md).
     max_attempts: int = 5
+    # Worker deaths in a row with none of the run's tools in flight and no new record in
+    # between, before the run is parked (0: never): what may kill a worker outside a tool.
+    max_lapses: int = 20
 
     def gateway_for(self) -> Gateway:
         """The gateway itself, or a new one from its factory (one per run driven)."""
@@ -117,7 +122,9 @@ class Worker:
     async def run_once(self) -> bool:
         """Claim one run and drive it until it ends or needs a person; False if none needed work."""
         app = self.app
-        claiming = self.store.claim(self.holder, ttl=app.lease_ttl, max_attempts=app.max_attempts)
+        claiming = self.store.claim(
+            self.holder, ttl=app.lease_ttl, max_attempts=app.max_attempts, max_lapses=app.max_lapses
+        )
         claim = await _unless_stopping(claiming)
         if claim is None:
             return False
@@ -156,7 +163,11 @@ class Worker:
                 await self._wait(None, deadline)
                 continue
             claiming = self.store.claim_many(
-                self.holder, limit=free, ttl=app.lease_ttl, max_attempts=app.max_attempts
+                self.holder,
+                limit=free,
+                ttl=app.lease_ttl,
+                max_attempts=app.max_attempts,
+                max_lapses=app.max_lapses,
             )
             claims = await _unless_stopping(claiming)
             for claim in claims[:free]:
@@ -221,6 +232,15 @@ class Worker:
     def _note(self, claim: Claim) -> None:
         self.stats.claimed += 1
         self.stats.runs.append(claim.lease.run_id)
+        if claim.in_flight is not None:
+            log.warning(
+                "run %r: its last worker died while its tool step %s was in flight; claim %d"
+                " of %d counted against it",
+                claim.lease.run_id,
+                claim.in_flight,
+                claim.attempts,
+                self.app.max_attempts,
+            )
 
     async def _drive(self, claim: Claim) -> None:
         run_id = claim.lease.run_id

@@ -181,11 +181,9 @@ class _Watched:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
-    async def claim_many(self, holder: Any, *, limit: int, ttl: float, max_attempts: int) -> Any:
+    async def claim_many(self, holder: Any, *, limit: int, **limits: Any) -> Any:
         self.asks.append((limit, self._driving[0]))
-        claims = await self._store.claim_many(
-            holder, limit=limit, ttl=ttl, max_attempts=max_attempts
-        )
+        claims = await self._store.claim_many(holder, limit=limit, **limits)
         self.order += [c.lease.run_id for c in claims]
         return claims
 

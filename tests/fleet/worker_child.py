@@ -1,7 +1,7 @@
 """Child processes of the fleet tests: workers, single sessions and racers on one store.
 
     python worker_child.py worker URL DIR [--ttl S] [--max-attempts N] [--delay S] [--seconds S]
-                                         [--concurrency N]
+                                         [--concurrency N] [--model-delay S]
     python worker_child.py session URL DIR RUN_ID [--ttl S] [--wait S]
     python worker_child.py race URL DIR
 
@@ -12,6 +12,8 @@ each from the task (which the tests make unique per run):
 - ``send``: one non-idempotent ``send(to=task)``, then "done".
 - ``approve``: ``pay(to=task)``, which needs a person's approval, then "done".
 - ``crash``: an idempotent ``explode()`` that SIGKILLs its own process.
+- ``hog``: an idempotent ``hog()`` that allocates memory until the kernel kills its
+  process (run the worker in a memory cgroup), bounded at 8 GiB.
 - ``gated``: ``gated_send(to=task)`` writes DIR/started.TASK, waits for DIR/go, then sends.
 - ``hold``: ``wait_go(to=task)`` (idempotent: DIR/started.TASK, waits for DIR/go), then ``send``.
 - ``race``: ``note()`` (idempotent), then ``send_held(to=task)``, which sends and then
@@ -126,6 +128,12 @@ def tools(ledger: Ledger, delay: float) -> dict[str, Tool]:
         os.kill(os.getpid(), signal.SIGKILL)
         return "unreachable"
 
+    @tool(idempotent=True)
+    def hog() -> str:
+        """Allocate until the kernel's OOM killer ends this worker (bounded: 8 GiB)."""
+        held = [bytearray(b"\x01") * (64 << 20) for _ in range(128)]
+        return f"unreachable: {len(held)} blocks"
+
     @tool
     def gated_send(to: str) -> str:
         """Say it started, wait for the test's go, then send once."""
@@ -175,7 +183,7 @@ def tools(ledger: Ledger, delay: float) -> dict[str, Tool]:
             pass
         return f"spun {to}"
 
-    every = [send, pay, explode, gated_send, wait_go, note, send_held, long_send, gate, spin]
+    every = [send, pay, explode, hog, gated_send, wait_go, note, send_held, long_send, gate, spin]
     return {t.name: t for t in every}
 
 
@@ -184,6 +192,7 @@ SCRIPTS: dict[str, list[str]] = {
     "send": ["send"],
     "approve": ["pay"],
     "crash": ["explode"],
+    "hog": ["hog"],
     "gated": ["gated_send"],
     "hold": ["wait_go", "send"],
     "race": ["note", "send_held"],
@@ -191,7 +200,8 @@ SCRIPTS: dict[str, list[str]] = {
     "gates": ["gate", "gate", "gate"],
     "busy": ["spin", "long_send"],
 }
-NO_ARGS = {"explode"}
+NO_ARGS = {"explode", "hog"}
+POISON = {"crash", "hog"}  # agents whose model answers at once, whatever --model-delay says
 
 
 def answer(request: ModelRequest) -> ModelResponse:
@@ -219,6 +229,19 @@ def agents(ledger: Ledger, delay: float = 0.0) -> dict[str, Agent]:
     return made
 
 
+class SlowModel(ScriptedGateway):
+    """The scripted model, taking ``delay`` seconds an answer (but for the poison agents)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(answer)
+        self.delay = delay
+
+    async def complete(self, request: ModelRequest, *, idempotency_key: str) -> ModelResponse:
+        if request.instructions not in POISON:
+            await asyncio.sleep(self.delay)
+        return await super().complete(request, idempotency_key=idempotency_key)
+
+
 class Observed:
     """The worker's store, seen through its log: claims and leased appends, nothing changed."""
 
@@ -228,19 +251,15 @@ class Observed:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
-    async def claim(self, holder: Any, *, ttl: float, max_attempts: int = 5) -> Any:
-        claim = await self._store.claim(holder, ttl=ttl, max_attempts=max_attempts)
+    async def claim(self, holder: Any, **limits: Any) -> Any:
+        claim = await self._store.claim(holder, **limits)
         if claim is not None:
             lease = claim.lease
             self._ledger.log("claim", run=lease.run_id, token=lease.token, n=claim.attempts)
         return claim
 
-    async def claim_many(
-        self, holder: Any, *, limit: int, ttl: float, max_attempts: int = 5
-    ) -> list[Any]:
-        claims = await self._store.claim_many(
-            holder, limit=limit, ttl=ttl, max_attempts=max_attempts
-        )
+    async def claim_many(self, holder: Any, *, limit: int, **limits: Any) -> list[Any]:
+        claims = await self._store.claim_many(holder, limit=limit, **limits)
         for claim in claims:
             lease = claim.lease
             self._ledger.log("claim", run=lease.run_id, token=lease.token, n=claim.attempts)
@@ -269,7 +288,7 @@ async def work(args: argparse.Namespace) -> int:
     store = Observed(await open_store(args.url), ledger)
     app = App(
         agents=agents(ledger, args.delay),
-        gateway=lambda: ScriptedGateway(answer),
+        gateway=lambda: SlowModel(args.model_delay),
         lease_ttl=args.ttl,
         max_attempts=args.max_attempts,
     )
@@ -357,6 +376,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     worker.add_argument("--delay", type=float, default=0.0)
     worker.add_argument("--seconds", type=float, default=120.0)
     worker.add_argument("--concurrency", type=int, default=1)
+    worker.add_argument("--model-delay", type=float, default=0.0)
     session.add_argument("run_id")
     session.add_argument("--ttl", type=float, default=30.0)
     session.add_argument("--wait", type=float, default=0.0)

@@ -26,6 +26,7 @@ from ..views import (
     summary,
     timeline,
     tokens,
+    tool_in_flight,
     waiting_of,
     when,
 )
@@ -120,6 +121,8 @@ def run_view(info: RunInfo, events: Sequence[StepEvent], *, hint: str) -> list[R
     """``asiento show``: the header, the timeline, the effects and what the run awaits."""
     state = run_state(info, store_hint=hint)
     parts: list[RenderableType] = [_header(info, state)]
+    if info.reason and (flying := tool_in_flight(events)) is not None:
+        parts.append(Text(f"in flight: {flying}: its effect left and no outcome came back"))
     parts.append(_timeline(info, events))
     effects = effect_records_of(events)
     if effects:

@@ -131,6 +131,13 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE runs ADD COLUMN budget_tokens bigint",
         "ALTER TABLE runs ADD COLUMN budget_model_calls bigint",
     ),
+    # 7: a lapsed claim counts against a run only if a tool of its was in flight
+    # (``_rules.charge``): the lapses not counted, in a row, and the records the run had
+    # when it was last claimed (whether it wrote any before its lease lapsed).
+    (
+        "ALTER TABLE runs ADD COLUMN lapses bigint NOT NULL DEFAULT 0",
+        "ALTER TABLE runs ADD COLUMN claim_events bigint NOT NULL DEFAULT 0",
+    ),
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -251,28 +258,65 @@ ON CONFLICT (run_id) DO NOTHING
 RETURNING run_id
 """
 
-# Up to ``limit`` claimable runs, oldest first, in one statement: those claimed
-# ``max_attempts`` times are parked (the reason recorded), the others leased and counted.
+# ``_rules.in_flight`` of run ``{run}``: the first tool step (``.t`` in its id, as
+# ``step_ids.is_tool``) whose last record over all its attempts is ``submitted``.
+IN_FLIGHT = """
+(SELECT last.step_id FROM (
+    SELECT DISTINCT ON (split_part(j.step_id, '/', 1)) j.step_id, j.phase, j.seq
+    FROM journal j WHERE j.run_id = {run} AND j.step_id LIKE '%%.t%%'
+    ORDER BY split_part(j.step_id, '/', 1), j.seq DESC
+) AS last WHERE last.phase = 'submitted' ORDER BY last.seq LIMIT 1)
+"""
+
+# Up to ``limit`` claimable runs, oldest first, in one statement: each judged by
+# ``_rules.charge`` (a lapsed claim counts only if a tool was in flight, ``judged``);
+# those over their limits parked (the reason recorded), the others leased and counted.
 # SKIP LOCKED: many workers claim different runs without waiting for each other.
+_PARKS = rules.parks_sql(
+    "%(max_attempts)s", attempts="c.attempts", lapses="c.lapses", max_lapses="%(max_lapses)s"
+)
+_LAST = (
+    f"CASE WHEN c.in_flight IS NULL THEN runs.reason ELSE {rules.died_in_sql('c.in_flight')} END"
+)
 CLAIM_MANY = f"""
 WITH picked AS (
-    SELECT run_id, queued_at AS was_queued FROM runs
+    SELECT run_id, queued_at AS was_queued, lease_owner IS NOT NULL AS lapsed,
+        events > claim_events AS progressed, attempts, lapses
+    FROM runs
     WHERE {rules.claimable(NOW)}
     ORDER BY {rules.queue_order(C)} LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
+), judged AS (
+    SELECT picked.*, CASE WHEN lapsed THEN {IN_FLIGHT.format(run="picked.run_id")} END
+        AS in_flight
+    FROM picked
+), c AS (
+    SELECT run_id, was_queued, in_flight,
+        CASE WHEN lapsed AND in_flight IS NULL THEN greatest(attempts - 1, 0) ELSE attempts
+        END AS attempts,
+        CASE WHEN NOT lapsed THEN lapses WHEN in_flight IS NOT NULL THEN 0
+            WHEN progressed THEN 1 ELSE lapses + 1 END AS lapses
+    FROM judged
 ), parked AS (
-    UPDATE runs SET {rules.status_write("'parked'", NOW)}, updated_at = {NOW},
-        reason = {rules.parked_reason_sql()}
-    FROM picked WHERE runs.run_id = picked.run_id AND {rules.parks_sql("%(max_attempts)s")}
+    UPDATE runs SET {rules.status_write("'parked'", NOW, attempts="c.attempts", lapses="c.lapses")},
+        updated_at = {NOW},
+        reason = {
+    rules.parked_reason_sql(
+        attempts="c.attempts", last=_LAST, lapses="c.lapses", max_lapses="%(max_lapses)s"
+    )
+}
+    FROM c WHERE runs.run_id = c.run_id AND {_PARKS}
     RETURNING runs.run_id
 ), taken AS (
     UPDATE runs SET lease_owner = %(owner)s, lease_host = %(host)s, lease_pid = %(pid)s,
         lease_started = %(started)s, lease_expires = {NOW} + %(ttl)s, lease_ttl = %(ttl)s,
-        fence = fence + 1, attempts = attempts + 1, queued_at = {NOW}
-    FROM picked WHERE runs.run_id = picked.run_id AND NOT {rules.parks_sql("%(max_attempts)s")}
-    RETURNING runs.run_id, task, agent, attempts, fence, lease_expires, picked.was_queued
+        fence = fence + 1, attempts = c.attempts + 1, lapses = c.lapses,
+        claim_events = events, reason = {_LAST}, queued_at = {NOW}
+    FROM c WHERE runs.run_id = c.run_id AND NOT {_PARKS}
+    RETURNING runs.run_id, task, agent, runs.attempts, fence, lease_expires, c.was_queued,
+        c.in_flight
 )
-SELECT p.parked, t.run_id, t.task, t.agent, t.attempts, t.fence, t.lease_expires
+SELECT p.parked, t.run_id, t.task, t.agent, t.attempts, t.fence, t.lease_expires, t.in_flight
 FROM (SELECT count(*) AS parked FROM parked) AS p LEFT JOIN taken AS t ON true
 ORDER BY t.was_queued, t.run_id COLLATE "C"
 """
@@ -297,7 +341,7 @@ SELECT run_id, status, events, created_at, updated_at, lease_owner, lease_expire
     model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
     saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps,
     cached_input_tokens, cache_write_tokens, budget_cost, budget_tokens, budget_model_calls,
-    lease_host, lease_pid
+    lease_host, lease_pid, lapses
 FROM runs
 """
 

@@ -75,6 +75,13 @@ MIGRATIONS: tuple[str, ...] = (
     ALTER TABLE runs ADD COLUMN budget_tokens INTEGER;
     ALTER TABLE runs ADD COLUMN budget_model_calls INTEGER;
     """,
+    # 6: a lapsed claim counts against a run only if a tool of its was in flight
+    # (``_rules.charge``): the lapses not counted, in a row, and the records the run had
+    # when it was last claimed (whether it wrote any before its lease lapsed).
+    """
+    ALTER TABLE runs ADD COLUMN lapses INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE runs ADD COLUMN claim_events INTEGER NOT NULL DEFAULT 0;
+    """,
 )
 
 SCHEMA_VERSION = len(MIGRATIONS)

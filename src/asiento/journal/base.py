@@ -99,17 +99,28 @@ class Queue(Protocol):
         """Queue a new run for the workers; ``UsageError`` if the run id is taken."""
         ...
 
-    async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
+    async def claim(
+        self, holder: Holder, *, ttl: float, max_attempts: int = 5, max_lapses: int = 0
+    ) -> Claim | None:
         """Take the lease of one submitted run that needs work, or None.
 
         Needs work: status running, with no live lease. A run claimed
         ``max_attempts`` times without reaching a stable state (closed,
-        suspended, uncertain) is parked instead, with the reason recorded.
+        suspended, uncertain) is parked instead, with the reason recorded. A claim
+        whose lease lapsed counts only if a tool of the run was in flight then;
+        ``max_lapses`` (0: no limit) parks a run whose lapses that did not count
+        reached it in a row, with no new record in between (``_rules``).
         """
         ...
 
     async def claim_many(
-        self, holder: Holder, *, limit: int, ttl: float, max_attempts: int = 5
+        self,
+        holder: Holder,
+        *,
+        limit: int,
+        ttl: float,
+        max_attempts: int = 5,
+        max_lapses: int = 0,
     ) -> list[Claim]:
         """Take up to ``limit`` runs that need work, oldest first, as ``claim`` takes one."""
         ...
@@ -254,6 +265,7 @@ _RUN_FIELDS = (
     "budget_model_calls",
     "lease_host",
     "lease_pid",
+    "lapses",
 )
 
 

@@ -46,6 +46,7 @@ class MemoryCheckpointer:
         self._runs: dict[str, RunInfo] = {}
         self._holders: dict[str, _Holding] = {}
         self._queued: dict[str, float] = {}  # each run's place in the queue (``_rules``)
+        self._claim_events: dict[str, int] = {}  # each run's records when last claimed
 
     async def append(
         self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
@@ -68,6 +69,7 @@ class MemoryCheckpointer:
             info,
             status=rules.status_after(info.status, status),
             attempts=rules.attempts_after(info.status, status, info.attempts),
+            lapses=rules.attempts_after(info.status, status, info.lapses),
             events=info.events + len(rows),
             updated_at=time.time(),
             model_calls=info.model_calls + usage["calls"],
@@ -203,6 +205,7 @@ class MemoryCheckpointer:
             updated_at=time.time(),
             reason=reason or info.reason,
             attempts=rules.attempts_after(info.status, status, info.attempts),
+            lapses=rules.attempts_after(info.status, status, info.lapses),
         )
         self._wakeup.ring()
         return True
@@ -215,29 +218,66 @@ class MemoryCheckpointer:
         self._queued[run_id] = time.time()
         self._wakeup.ring()
 
-    async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
+    async def claim(
+        self, holder: Holder, *, ttl: float, max_attempts: int = 5, max_lapses: int = 0
+    ) -> Claim | None:
         now = time.time()
         queue = (self._queued.get(r.run_id, r.created_at) for r in self._runs.values())
-        for _, info in sorted(zip(queue, self._runs.values(), strict=True), key=_queue_order):
-            if not rules.claimable_now(info, now) or info.task is None:
+        for _, run in sorted(zip(queue, self._runs.values(), strict=True), key=_queue_order):
+            if not rules.claimable_now(run, now) or run.task is None:
                 continue
-            if rules.parks(info.attempts, max_attempts):
-                reason = rules.parked_reason(info.attempts, info.reason)
-                await self.set_status(info.run_id, RunStatus.PARKED, reason=reason)
+            judged = self._judge(run)
+            reason = run.reason if judged.in_flight is None else rules.died_in(judged.in_flight)
+            info = dataclasses.replace(
+                run, attempts=judged.attempts, lapses=judged.lapses, reason=reason
+            )
+            self._runs[info.run_id] = info
+            if rules.parks(info.attempts, max_attempts, info.lapses, max_lapses):
+                why = rules.parked_reason(
+                    info.attempts, reason, lapses=info.lapses, max_lapses=max_lapses
+                )
+                await self.set_status(info.run_id, RunStatus.PARKED, reason=why)
                 continue
-            lease = await self.acquire(info.run_id, holder, ttl=ttl)
-            taken = self._runs[info.run_id]
-            self._runs[info.run_id] = dataclasses.replace(taken, attempts=taken.attempts + 1)
-            self._queued[info.run_id] = time.time()  # to the back: leased runs stay out of the way
-            agent = info.agent or "default"
-            return Claim(lease=lease, task=info.task, agent=agent, attempts=info.attempts + 1)
+            return await self._take_claim(info, holder, ttl, judged.in_flight)
         return None
 
+    def _judge(self, info: RunInfo) -> rules.Charge:
+        """What the claim counts against the run (``_rules.charge``)."""
+        lapsed = info.lease_owner is not None
+        records = ((step_id, phase) for step_id, phase, *_ in self._rows.get(info.run_id, []))
+        return rules.charge(
+            attempts=info.attempts,
+            lapses=info.lapses,
+            lapsed=lapsed,
+            in_flight=rules.in_flight(records) if lapsed else None,
+            progressed=info.events > self._claim_events.get(info.run_id, 0),
+        )
+
+    async def _take_claim(
+        self, info: RunInfo, holder: Holder, ttl: float, in_flight: str | None
+    ) -> Claim:
+        lease = await self.acquire(info.run_id, holder, ttl=ttl)
+        taken = self._runs[info.run_id]
+        self._runs[info.run_id] = dataclasses.replace(taken, attempts=taken.attempts + 1)
+        self._queued[info.run_id] = time.time()  # to the back: leased runs stay out of the way
+        self._claim_events[info.run_id] = info.events
+        agent, task = info.agent or "default", info.task or ""
+        return Claim(
+            lease=lease, task=task, agent=agent, attempts=info.attempts + 1, in_flight=in_flight
+        )
+
     async def claim_many(
-        self, holder: Holder, *, limit: int, ttl: float, max_attempts: int = 5
+        self,
+        holder: Holder,
+        *,
+        limit: int,
+        ttl: float,
+        max_attempts: int = 5,
+        max_lapses: int = 0,
     ) -> list[Claim]:
         return await one_by_one(
-            self.claim(holder, ttl=ttl, max_attempts=max_attempts) for _ in range(limit)
+            self.claim(holder, ttl=ttl, max_attempts=max_attempts, max_lapses=max_lapses)
+            for _ in range(limit)
         )
 
     async def wait_for_work(self, timeout: float) -> None:

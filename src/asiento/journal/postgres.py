@@ -359,16 +359,27 @@ class PostgresCheckpointer:
 
         await self._exactly_once(insert, landed)
 
-    async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
-        claims = await self.claim_many(holder, limit=1, ttl=ttl, max_attempts=max_attempts)
+    async def claim(
+        self, holder: Holder, *, ttl: float, max_attempts: int = 5, max_lapses: int = 0
+    ) -> Claim | None:
+        claims = await self.claim_many(
+            holder, limit=1, ttl=ttl, max_attempts=max_attempts, max_lapses=max_lapses
+        )
         return claims[0] if claims else None
 
     async def claim_many(
-        self, holder: Holder, *, limit: int, ttl: float, max_attempts: int = 5
+        self,
+        holder: Holder,
+        *,
+        limit: int,
+        ttl: float,
+        max_attempts: int = 5,
+        max_lapses: int = 0,
     ) -> list[Claim]:
         """Up to ``limit`` runs in one statement (``CLAIM_MANY``): picked oldest first with
         SKIP LOCKED, the over-claimed parked and the rest leased in the same statement."""
         params: dict[str, Any] = {"limit": limit, "ttl": ttl, "max_attempts": max_attempts}
+        params["max_lapses"] = max_lapses
         params |= {"owner": holder.owner, "host": holder.host, "pid": holder.pid}
         params["started"] = holder.started
 
@@ -378,11 +389,15 @@ class PostgresCheckpointer:
             while len(claims) < limit and parked < _MAX_PARKED_PER_CLAIM:
                 want = params | {"limit": limit - len(claims)}
                 rows = await (await conn.execute(sql.CLAIM_MANY, want)).fetchall()
-                for _, run_id, task, agent, attempts, fence, expires in rows:
+                for _, run_id, task, agent, attempts, fence, expires, flight in rows:
                     if run_id is None:
                         continue  # nothing leased: the row only counts the parked runs
                     lease = Lease(run_id=run_id, token=fence, owner=holder.owner, expires=expires)
-                    claims.append(Claim(lease=lease, task=task, agent=agent, attempts=attempts))
+                    claims.append(
+                        Claim(
+                            lease=lease, task=task, agent=agent, attempts=attempts, in_flight=flight
+                        )
+                    )
                 newly = int(rows[0][0])
                 if not newly:
                     break  # the queue is empty, or only parked runs stood in the way

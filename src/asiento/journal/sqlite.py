@@ -144,7 +144,7 @@ _RUN_COLUMNS = """run_id, status, events, created_at, updated_at, lease_owner, l
 fence, model_calls, input_tokens, output_tokens, replayed_calls, saved_input_tokens,
 saved_output_tokens, task, agent, attempts, reason, cost, saved_cost, tool_steps,
 cached_input_tokens, cache_write_tokens, budget_cost, budget_tokens, budget_model_calls,
-lease_host, lease_pid"""
+lease_host, lease_pid, lapses"""
 
 # A closed run takes no other status (no row changes: ``RunClosed``).
 _SET_STATUS = f"""
@@ -156,7 +156,9 @@ WHERE run_id = :run_id AND ({rules.STILL_OPEN} OR :status = 'closed')
 # INDEXED BY: without statistics, SQLite would rather read every running run by status
 # and sort them, whatever the size of the queue.
 _CLAIMABLE = f"""
-SELECT run_id, task, agent, attempts, reason, fence FROM runs INDEXED BY runs_claimable
+SELECT run_id, task, agent, attempts, reason, fence, lease_owner IS NOT NULL, lapses,
+    events > claim_events
+FROM runs INDEXED BY runs_claimable
 WHERE {rules.claimable(":now")}
 ORDER BY {rules.queue_order()} LIMIT 1
 """
@@ -485,34 +487,72 @@ class SqliteCheckpointer:
                 raise UsageError(f"run {run_id!r} already exists in {self.path}") from None
         self._wakeup.ring()
 
-    async def claim(self, holder: Holder, *, ttl: float, max_attempts: int = 5) -> Claim | None:
+    async def claim(
+        self, holder: Holder, *, ttl: float, max_attempts: int = 5, max_lapses: int = 0
+    ) -> Claim | None:
         with self._errors(), self._transaction():
             for _ in range(_MAX_PARKED_PER_CLAIM):
                 now = time.time()
                 row = self._db.execute(_CLAIMABLE, {"now": now}).fetchone()
                 if row is None:
                     return None
-                run_id, task, agent, attempts, reason, fence = row
-                if rules.parks(attempts, max_attempts):
-                    params = {"status": "parked", "now": now, "run_id": run_id}
-                    self._db.execute(
-                        _SET_STATUS, params | {"reason": rules.parked_reason(attempts, reason)}
+                run_id, task, agent, attempts, reason, fence, lapsed, lapses, progressed = row
+                judged = rules.charge(
+                    attempts=attempts,
+                    lapses=lapses,
+                    lapsed=bool(lapsed),
+                    in_flight=self._in_flight(run_id) if lapsed else None,
+                    progressed=bool(progressed),
+                )
+                if judged.in_flight is not None:
+                    reason = rules.died_in(judged.in_flight)
+                self._db.execute(
+                    "UPDATE runs SET attempts = ?, lapses = ?, reason = ? WHERE run_id = ?",
+                    (judged.attempts, judged.lapses, reason, run_id),
+                )
+                if rules.parks(judged.attempts, max_attempts, judged.lapses, max_lapses):
+                    why = rules.parked_reason(
+                        judged.attempts, reason, lapses=judged.lapses, max_lapses=max_lapses
                     )
+                    params = {"status": "parked", "now": now, "run_id": run_id}
+                    self._db.execute(_SET_STATUS, params | {"reason": why})
                     continue
                 self._take(run_id, holder, ttl, fence, now)
                 self._db.execute(
-                    "UPDATE runs SET attempts = attempts + 1, queued_at = ? WHERE run_id = ?",
+                    "UPDATE runs SET attempts = attempts + 1, claim_events = events, queued_at = ?"
+                    " WHERE run_id = ?",
                     (now, run_id),
                 )
                 lease = Lease(run_id=run_id, token=fence + 1, owner=holder.owner, expires=now + ttl)
-                return Claim(lease=lease, task=task, agent=agent, attempts=attempts + 1)
+                return Claim(
+                    lease=lease,
+                    task=task,
+                    agent=agent,
+                    attempts=judged.attempts + 1,
+                    in_flight=judged.in_flight,
+                )
         return None
 
+    def _in_flight(self, run_id: str) -> str | None:
+        """``_rules.in_flight`` of the run's tool records, in the order they were written."""
+        sql = (
+            "SELECT step_id, phase FROM journal WHERE run_id = ? AND step_id LIKE '%.t%'"
+            " ORDER BY rowid"
+        )
+        return rules.in_flight(self._db.execute(sql, (run_id,)))
+
     async def claim_many(
-        self, holder: Holder, *, limit: int, ttl: float, max_attempts: int = 5
+        self,
+        holder: Holder,
+        *,
+        limit: int,
+        ttl: float,
+        max_attempts: int = 5,
+        max_lapses: int = 0,
     ) -> list[Claim]:
         return await one_by_one(
-            self.claim(holder, ttl=ttl, max_attempts=max_attempts) for _ in range(limit)
+            self.claim(holder, ttl=ttl, max_attempts=max_attempts, max_lapses=max_lapses)
+            for _ in range(limit)
         )
 
     async def wait_for_work(self, timeout: float) -> None:

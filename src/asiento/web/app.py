@@ -228,6 +228,7 @@ class Pages:
             waiting=fmt.waiting_of(events, info.status),
             effects=effect_records_of(events),
             budget_stop=fmt.budget_stop_of(events),
+            in_flight=fmt.tool_in_flight(events) if info.reason else None,
             message=error or done,
             message_kind="error" if error else "ok",
         )

@@ -212,6 +212,8 @@ RUN = """{% extends "base.html" %}{% from "card.html" import card %}
   {% if run.task is not none %}<dt>task</dt><dd>{{ run.task }} (agent {{ run.agent }},
     claimed {{ run.attempts }}×)</dd>{% endif %}
   {% if run.reason %}<dt>note</dt><dd>{{ run.reason }}</dd>{% endif %}
+  {% if in_flight %}<dt>in flight</dt><dd>{{ in_flight }}: its effect left and no outcome
+    came back</dd>{% endif %}
 </dl>
 {% if budget_stop %}{% set stop = budget_stop[1] %}<h2>Stopped on its budget</h2>
 <div class="card budget"><p>Stopped before <code>{{ stop.before }}</code>: {{ stop.limit }}

@@ -10,6 +10,7 @@ from asiento import (
     Agent,
     ApprovalStep,
     Checkpointer,
+    Claim,
     Decision,
     DuplicateRecord,
     FinalStep,
@@ -182,21 +183,96 @@ class IndexTests:
         assert await store.claim(holder("w1"), ttl=30) is None
         assert (await info_of(store, "job-1")).attempts == 1
 
-    async def test_expired_claim_is_claimed_again_with_one_more_attempt(
+    async def test_expired_claim_is_claimed_again_without_counting_against_the_run(
         self, store: Checkpointer
     ) -> None:
-        """An expired claim is claimed again: attempts + 1, token + 1, the old lease fenced."""
+        """A claim that lapsed with no tool in flight is given back: attempts stay, token + 1,
+        the old lease fenced, one lapse noted."""
         await store.submit("job-1", "t")
         first = await store.claim(holder("w1"), ttl=0.05)
         assert first is not None
         await asyncio.sleep(0.2)
         second = await store.claim(holder("w2"), ttl=30)
         assert second is not None
-        assert (second.attempts, second.lease.token) == (2, first.lease.token + 1)
+        assert (second.attempts, second.lease.token) == (1, first.lease.token + 1)
+        assert second.in_flight is None
         with pytest.raises(LeaseLost):
             await store.append(ev("m1", run_id="job-1"), lease=first.lease)
         await store.append(ev("m1", run_id="job-1"), lease=second.lease)
-        assert (await info_of(store, "job-1")).lease_owner == "w2"
+        info = await info_of(store, "job-1")
+        assert (info.lease_owner, info.attempts, info.lapses) == ("w2", 1, 1)
+
+    async def test_claim_that_lapsed_with_a_tool_in_flight_counts_against_the_run(
+        self, store: Checkpointer
+    ) -> None:
+        """A claim that lapsed while a tool step was submitted without an outcome counts: the
+        next claim is attempt 2 and names the step, and the reason says so."""
+        first = await _lapsed_in_tool(store, "m1.t1")
+        second = await store.claim(holder("w2"), ttl=30)
+        assert second is not None
+        assert (second.attempts, second.in_flight) == (2, "m1.t1")
+        assert first.lease.token + 1 == second.lease.token
+        info = await info_of(store, "job-1")
+        assert (info.attempts, info.lapses) == (2, 0)
+        assert info.reason == "its worker died while its tool step m1.t1 was in flight"
+
+    async def test_only_a_tool_steps_last_attempt_can_be_in_flight(
+        self, store: Checkpointer
+    ) -> None:
+        """A tool step whose later attempt has its result, a step resolved by a person and a
+        streamed model attempt's marker are not in flight: the lapse does not count."""
+        await store.submit("job-1", "t")
+        claim = await store.claim(holder("w1"), ttl=0.05)
+        assert claim is not None
+        records = [
+            ev("m1", run_id="job-1"),
+            ev("m1.t1", Phase.INTENT, run_id="job-1"),
+            ev("m1.t1", Phase.SUBMITTED, run_id="job-1"),
+            ev("m1.t1/2", Phase.SUBMITTED, run_id="job-1"),
+            ev("m1.t1/2", Phase.RESULT, run_id="job-1"),
+            ev("m1.t2", Phase.INTENT, run_id="job-1"),
+            ev("m1.t2", Phase.SUBMITTED, run_id="job-1"),
+            ev("m1.t2", Phase.RESOLUTION, run_id="job-1"),
+            ev("m2/1", Phase.SUBMITTED, run_id="job-1"),
+        ]
+        await store.append(*records, lease=claim.lease)
+        await asyncio.sleep(0.2)
+        again = await store.claim(holder("w2"), ttl=30)
+        assert again is not None
+        assert (again.attempts, again.in_flight) == (1, None)
+
+    async def test_run_whose_workers_died_in_its_tool_is_parked_saying_so(
+        self, store: Checkpointer
+    ) -> None:
+        """Claims that lapsed while the run's tool was in flight park it, naming the step."""
+        await _lapsed_in_tool(store, "m1.t1", max_attempts=1)
+        assert await store.claim(holder("w2"), ttl=30, max_attempts=1) is None
+        info = await info_of(store, "job-1")
+        assert info.status is RunStatus.PARKED
+        assert info.reason == (
+            "parked after 1 claims without reaching a stable state; last failure: its worker"
+            " died while its tool step m1.t1 was in flight"
+        )
+
+    async def test_lapses_in_a_row_with_no_new_record_park_the_run(
+        self, store: Checkpointer
+    ) -> None:
+        """Lapses with no tool in flight park the run at max_lapses only when it wrote nothing
+        in between: a record written during a claim starts the count at one again."""
+        await store.submit("job-1", "t")
+        limits = {"max_attempts": 5, "max_lapses": 3}
+        for lapses, writes in ((0, False), (1, True), (1, False), (2, False)):
+            claim = await store.claim(holder("w1"), ttl=0.05, **limits)
+            assert claim is not None
+            assert (claim.attempts, (await info_of(store, "job-1")).lapses) == (1, lapses)
+            if writes:
+                await store.append(ev("m1", run_id="job-1"), lease=claim.lease)
+            await asyncio.sleep(0.2)
+        assert await store.claim(holder("w1"), ttl=30, **limits) is None
+        info = await info_of(store, "job-1")
+        assert (info.status, info.attempts, info.lapses) == (RunStatus.PARKED, 0, 3)
+        assert info.reason is not None
+        assert info.reason.startswith("parked: its worker died 3 times in a row while none")
 
     async def test_claim_skips_runs_nobody_submitted(self, store: Checkpointer) -> None:
         """Runs a Session or the harness created (no task) are never claimed by workers."""
@@ -241,19 +317,6 @@ class IndexTests:
         )
         assert await store.claim(holder("w1"), ttl=30, max_attempts=10) is None
         assert [r.run_id for r in await store.runs(status=RunStatus.PARKED)] == ["job-1"]
-
-    async def test_run_whose_workers_died_is_parked_saying_so(self, store: Checkpointer) -> None:
-        """Claims that expired without a word park the run with a reason that says so."""
-        await store.submit("job-1", "t")
-        assert await store.claim(holder("w1"), ttl=0.05, max_attempts=1) is not None
-        await asyncio.sleep(0.2)
-        assert await store.claim(holder("w2"), ttl=30, max_attempts=1) is None
-        info = await info_of(store, "job-1")
-        assert info.status is RunStatus.PARKED
-        assert info.reason == (
-            "parked after 1 claims without reaching a stable state"
-            " (its workers died without a word)"
-        )
 
     async def test_claim_that_parks_a_run_claims_the_next(self, store: Checkpointer) -> None:
         """A claim that parks an exhausted run goes on to claim the next run needing work."""
@@ -375,3 +438,15 @@ class IndexTests:
 
 def _budget(info: RunInfo) -> tuple[float | None, int | None, int | None]:
     return (info.budget_cost, info.budget_tokens, info.budget_model_calls)
+
+
+async def _lapsed_in_tool(store: Checkpointer, step_id: str, max_attempts: int = 5) -> Claim:
+    """Submit ``job-1``, claim it and let the claim lapse while tool ``step_id`` is in flight."""
+    await store.submit("job-1", "t")
+    claim = await store.claim(holder("w1"), ttl=0.05, max_attempts=max_attempts)
+    assert claim is not None
+    intent = ev(step_id, Phase.INTENT, run_id="job-1")
+    submitted = ev(step_id, Phase.SUBMITTED, run_id="job-1")
+    await store.append(ev("m1", run_id="job-1"), intent, submitted, lease=claim.lease)
+    await asyncio.sleep(0.2)
+    return claim
