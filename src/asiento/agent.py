@@ -79,7 +79,7 @@ from .streaming import (
     ToolCallPart,
     whole_parts,
 )
-from .tools import Found, PrepareFailed, Tool, ToolArgumentsError, Unknown
+from .tools import Found, PrepareFailed, Tool, ToolArgumentsError, ToolTimedOut, Unknown, within
 
 log = logging.getLogger("asiento")
 
@@ -565,7 +565,7 @@ class _Pass:
             await self._suspend(step_id, call, records[Phase.INTENT])
             return False
         elif tool is None:
-            await self._uncertain(state, call, "")
+            await self._uncertain(state.current_id, call, "")
         else:
             await self._reconcile(state, call, tool)
         return True
@@ -631,14 +631,21 @@ class _Pass:
             run_id=self.run_id, step_id=state.step_id, attempt_id=ready.attempt_id, tool=call.name
         )
         token = context.enter(where)
+        seconds = self.session.tool_timeout if tool.timeout is None else tool.timeout
         try:
-            outcome = await tool.runner.execute(
+            executing = tool.runner.execute(
                 tool, intent, ready.kwargs, via=ready.via, attempts=ready.attempts
             )
+            outcome = await within(executing, seconds, call.name)
         except ToolUnavailable as exc:  # it never left: the step runs on the next pass
             unsent = Resolution(happened=False, by="asiento", reason=str(exc)[:500])
             self._record(ready.attempt_id, Phase.RESOLUTION, unsent)
             raise
+        except ToolTimedOut as exc:
+            if not tool.idempotent:  # it may have happened, or may yet: never run it again
+                why = f"it timed out after {exc.seconds:g} s, and may or may not have happened"
+                await self._uncertain(ready.attempt_id, call, f"{why[0].upper()}{why[1:]}.", why)
+            outcome = Outcome.failed(str(exc))
         finally:
             context.leave(token)
         self.stats.tool_calls += 1
@@ -657,24 +664,31 @@ class _Pass:
         age = await self.store.age(self.run_id, state.step_id, Phase.SUBMITTED)
         settled = await tool.runner.reconcile(tool, intent, age=age, attempts=state.attempt)
         if isinstance(settled, Unknown):
-            await self._uncertain(state, call, settled.why)
+            await self._uncertain(state.current_id, call, settled.why)
         elif isinstance(settled, Found):
             decision = Decision.APPROVED if Phase.APPROVAL in state.records else Decision.ALLOW
             self._result(state.current_id, call, decision, settled.outcome, step_id=state.step_id)
         else:
             await self._execute(state, call, tool, via=settled.via)
 
-    async def _uncertain(self, state: StepState, call: ToolCall, detail: str) -> None:
+    async def _uncertain(
+        self, record_id: str, call: ToolCall, detail: str, why: str | None = None
+    ) -> None:
+        """Stop for a person: nobody knows whether attempt ``record_id`` happened
+        (``why``, when it is news the run page should show)."""
         await self._flush()
-        if not await self._wait_for(RunStatus.UNCERTAIN, state.current_id, Phase.RESOLUTION):
+        reason = None if why is None else f"tool {call.name!r} (step {record_id}): {why}"[:1000]
+        if not await self._wait_for(RunStatus.UNCERTAIN, record_id, Phase.RESOLUTION, reason):
             raise _Decided
-        raise UncertainEffect(self.run_id, state.current_id, call.name, detail)
+        raise UncertainEffect(self.run_id, record_id, call.name, detail)
 
-    async def _wait_for(self, status: RunStatus, step_id: str, phase: Phase) -> bool:
+    async def _wait_for(
+        self, status: RunStatus, step_id: str, phase: Phase, reason: str | None = None
+    ) -> bool:
         """Mark the run as waiting for a person's record, unless that record is there
         already: a person may have decided after this pass read the journal."""
         return await self.store.set_status(
-            self.run_id, status, lease=self.lease, waits_for=(step_id, phase)
+            self.run_id, status, reason=reason, lease=self.lease, waits_for=(step_id, phase)
         )
 
     def _deny(self, step_id: str, call: ToolCall, records: Records) -> None:

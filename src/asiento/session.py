@@ -17,6 +17,8 @@ from .lease import Holder
 from .ledger import PriceTable
 from .model import Gateway
 from .shutdown import ShutdownRequested
+from .shutdown import requested as shutdown_requested
+from .tools import check_timeout
 
 log = logging.getLogger("asiento")
 
@@ -57,6 +59,8 @@ class Session:
     ``lease_ttl`` seconds and is renewed while the session drives the run.
     ``lease`` is one a worker already claimed for this run. With ``prices``
     (model name to ``Price``), every model step records what it cost.
+    ``tool_timeout``: seconds a tool step may take, for tools that set no
+    ``@tool(timeout=...)`` of their own (None: no limit; docs/fleet.md).
     """
 
     def __init__(
@@ -69,8 +73,10 @@ class Session:
         wait: float = 0.0,
         lease: Lease | None = None,
         prices: PriceTable | None = None,
+        tool_timeout: float | None = None,
     ) -> None:
         self.run_id = check_id("run_id", run_id)
+        self.tool_timeout = check_timeout(tool_timeout, "Session(tool_timeout=...)")
         if not callable(getattr(gateway, "complete", None)):
             raise UsageError(
                 f"gateway {gateway!r} has no complete(request, *, idempotency_key) coroutine"
@@ -107,6 +113,9 @@ class Session:
             yield lease
         except ShutdownRequested:
             clean = True
+            raise
+        except asyncio.CancelledError:  # cut at the end of a shutdown's grace: not its fault
+            clean = shutdown_requested()
             raise
         finally:
             keeper.cancel()

@@ -5,7 +5,9 @@ process mid-step. The loop checks the request only between steps: a tool that
 started finishes its publish and its confirm, nothing new starts, the lease is
 released, and ``run()`` raises ``ShutdownRequested``. The run stays resumable.
 Processes that stop this way should exit with ``EXIT_CODE`` (75, EX_TEMPFAIL:
-"try again later"), as the ``asiento`` commands do.
+"try again later"), as the ``asiento`` commands do. A worker waits for its steps
+in flight at most ``App.shutdown_grace`` seconds from the request (``grace_left``),
+then cuts them: a step that never returns never keeps a stopping worker alive.
 
 A wait that has started nothing (a place in a ``Quota``, the pause before a 429's
 retry) is not a step in flight: ``before_stop`` ends it at once on a request, so
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Awaitable
 from types import FrameType
@@ -30,6 +33,7 @@ EXIT_CODE = 75
 T = TypeVar("T")
 
 _requested = threading.Event()
+_requested_at: list[float] = []  # time.monotonic() of the first request, once made
 # Per event loop, an asyncio twin of ``_requested`` for the waits of ``before_stop``.
 _stops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Event] = (
     weakref.WeakKeyDictionary()
@@ -53,6 +57,8 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
 
 def request() -> None:
     """Ask every run in this process to stop at its next step boundary."""
+    if not _requested_at:
+        _requested_at.append(time.monotonic())
     _requested.set()
     with _stops_lock:
         stops = list(_stops.items())
@@ -92,9 +98,17 @@ def requested() -> bool:
     return _requested.is_set()
 
 
+def grace_left(grace: float) -> float | None:
+    """Seconds left of a ``grace`` that began at the shutdown request; None if none."""
+    if not _requested_at or not _requested.is_set():
+        return None
+    return grace - (time.monotonic() - _requested_at[0])
+
+
 def reset() -> None:
     """Forget a previous request (tests, or a process that goes on after a stop)."""
     _requested.clear()
+    _requested_at.clear()
     with _stops_lock:
         for stop in _stops.values():
             stop.clear()  # a flag, waking nobody: safe from any thread

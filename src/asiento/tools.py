@@ -18,12 +18,15 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import math
 import os
+import queue
 import re
-from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol, get_type_hints, overload
+from typing import Any, Protocol, TypeVar, get_type_hints, overload
 
 import pydantic
 
@@ -34,6 +37,8 @@ from .payloads import Intent, Outcome
 
 ToolFunction = Callable[..., Any]
 
+_T = TypeVar("_T")
+
 
 class ToolArgumentsError(AsientoError, ValueError):
     """The model's arguments do not fit the tool's signature."""
@@ -41,6 +46,18 @@ class ToolArgumentsError(AsientoError, ValueError):
 
 class PrepareFailed(AsientoError):
     """A runner could not prepare the step: the message is the step's recorded outcome."""
+
+
+class ToolTimedOut(AsientoError):
+    """A tool step ran past its timeout and its wait was given up (docs/fleet.md).
+
+    An async tool is cancelled; a sync tool's thread cannot be stopped and is left to
+    finish alone, its result dropped. So the step may or may not have happened.
+    """
+
+    def __init__(self, tool: str, seconds: float) -> None:
+        self.tool, self.seconds = tool, seconds
+        super().__init__(f"tool {tool!r} timed out after {seconds:g} s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +174,9 @@ class Tool:
     fn: ToolFunction
     arguments_model: type[pydantic.BaseModel]
     runner: Runner = FUNCTION
+    # Seconds a step of this tool may take before its wait is given up (None: the
+    # session's ``tool_timeout``).
+    timeout: float | None = None
     # Asked once: ``inspect.iscoroutinefunction`` on every call costs more than the rest
     # of the dispatch.
     is_async: bool = dataclasses.field(init=False, repr=False, compare=False)
@@ -235,31 +255,69 @@ _QUICK_TOOL_SECONDS = 0.002
 
 
 class _ToolThreads:
-    """The pool sync tools run on, started on first use (and again in a forked child,
-    where the parent's threads do not exist). Its size is ``ThreadPoolExecutor``'s
-    default, as for the loop's default executor: min(32, CPUs + 4), or more when a
-    worker drives more runs at once (``tool_threads_at_least``)."""
+    """The threads sync tools run on: started as calls need them, up to ``size``.
+
+    Not a ``ThreadPoolExecutor``: its threads are joined when the interpreter exits,
+    so one tool that never returns would keep a stopped worker alive for ever. These
+    are daemon threads. A call whose wait was given up (a timeout, a shutdown's grace)
+    still holds its thread: ``abandon`` lets one more start in its place, so a hung
+    tool takes one thread and never a slot of the others. ``size`` is
+    ``ThreadPoolExecutor``'s default, min(32, CPUs + 4), or more when a worker drives
+    more runs at once (``tool_threads_at_least``).
+    """
 
     def __init__(self) -> None:
-        self.pool: ThreadPoolExecutor | None = None
-        self.size: int | None = None
+        self.size = min(32, (os.cpu_count() or 1) + 4)
+        self._reset()
 
-    def get(self) -> ThreadPoolExecutor:
-        if self.pool is None:
-            self.pool = ThreadPoolExecutor(self.size, thread_name_prefix="asiento-tool")
-        return self.pool
+    def _reset(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._lock = threading.Lock()
+        self._started = 0
+        self._abandoned: set[Future[Any]] = set()
+
+    def submit(self, call: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._jobs.put((future, call))
+        if self._idle.acquire(blocking=False):  # an idle thread takes it
+            return future
+        with self._lock:
+            if self._started < self.size + len(self._abandoned):
+                self._started += 1
+                name = f"asiento-tool-{self._started}"
+                threading.Thread(target=self._work, name=name, daemon=True).start()
+        return future
+
+    def abandon(self, future: Future[Any]) -> None:
+        """Nobody waits for ``future`` any more: its thread no longer counts as one."""
+        with self._lock:
+            if not future.done():
+                self._abandoned.add(future)
 
     def at_least(self, count: int) -> None:
-        default = min(32, (os.cpu_count() or 1) + 4)
-        if count <= max(default, self.size or 0):
-            return
-        self.size = count
-        if self.pool is not None:  # its threads finish what they run; new calls go to a bigger pool
-            self.pool.shutdown(wait=False)
-            self.pool = None
+        self.size = max(self.size, count)
 
     def forget(self) -> None:
-        self.pool = None
+        """In a forked child: the parent's threads do not exist here."""
+        self._reset()
+
+    def _work(self) -> None:
+        jobs, idle = self._jobs, self._idle
+        while True:
+            future, call = jobs.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = call()
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+                if future in self._abandoned:
+                    with self._lock:
+                        self._abandoned.discard(future)
+            del future, call  # drop the result before waiting for the next call
+            idle.release()
 
 
 _threads = _ToolThreads()
@@ -274,11 +332,42 @@ def tool_threads_at_least(count: int) -> None:
 
 async def _in_thread(call: Callable[[], Any]) -> Any:
     """``call()`` on a tool thread, with the caller's context variables (as ``to_thread``)."""
-    future = _threads.get().submit(contextvars.copy_context().run, call)
+    future = _threads.submit(functools.partial(contextvars.copy_context().run, call))
     try:
         return future.result(timeout=_QUICK_TOOL_SECONDS)
     except TimeoutError:  # still running (or the tool's own TimeoutError: raised again here)
+        pass
+    try:
         return await asyncio.wrap_future(future)
+    except asyncio.CancelledError:  # the wait was given up: the thread cannot be stopped
+        if not future.cancel():
+            _threads.abandon(future)
+        raise
+
+
+async def within(step: Awaitable[_T], seconds: float | None, tool: str) -> _T:
+    """``step``'s result, or ``ToolTimedOut`` once it has taken ``seconds``."""
+    if seconds is None:
+        return await step
+    bound = asyncio.timeout(seconds)
+    try:
+        async with bound:
+            return await step
+    except TimeoutError:
+        if bound.expired():
+            raise ToolTimedOut(tool, seconds) from None
+        raise
+
+
+def check_timeout(seconds: Any, where: str) -> float | None:
+    """A timeout as given (None: none), or ``UsageError`` naming ``where``."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise UsageError(f"{where} takes seconds (a number) or None, got {seconds!r}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise UsageError(f"{where} must be a finite number of seconds > 0, got {seconds!r}")
+    return float(seconds)
 
 
 @overload
@@ -287,7 +376,11 @@ def tool(fn: ToolFunction, /) -> Tool: ...
 
 @overload
 def tool(
-    *, idempotent: bool = False, name: str | None = None, description: str | None = None
+    *,
+    idempotent: bool = False,
+    name: str | None = None,
+    description: str | None = None,
+    timeout: float | None = None,
 ) -> Callable[[ToolFunction], Tool]: ...
 
 
@@ -298,8 +391,14 @@ def tool(
     idempotent: bool = False,
     name: str | None = None,
     description: str | None = None,
+    timeout: float | None = None,
 ) -> Tool | Callable[[ToolFunction], Tool]:
-    """Turn a function into a ``Tool``; ``@tool`` and ``@tool(idempotent=True)`` both work."""
+    """Turn a function into a ``Tool``; ``@tool`` and ``@tool(idempotent=True)`` both work.
+
+    ``timeout``: seconds a step may take before its wait is given up; an idempotent
+    tool's step then fails (the model is told), any other is uncertain (docs/fleet.md).
+    """
+    seconds = check_timeout(timeout, "@tool(timeout=...)")
 
     def wrap(f: ToolFunction) -> Tool:
         if not callable(f):
@@ -311,7 +410,7 @@ def tool(
             raise UsageError(f"tool name {tool_name!r} must be 1-64 letters, digits, _ or -")
         summary, params = _parse_docstring(inspect.getdoc(f) or "")
         model = _arguments_model(f, tool_name, params)
-        return Tool(tool_name, description or summary, idempotent, f, model)
+        return Tool(tool_name, description or summary, idempotent, f, model, timeout=seconds)
 
     return wrap(fn) if fn is not None else wrap
 

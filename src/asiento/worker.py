@@ -23,7 +23,7 @@ from .journal.base import Checkpointer
 from .lease import Holder
 from .model import Gateway
 from .session import Session
-from .tools import tool_threads_at_least
+from .tools import check_timeout, tool_threads_at_least
 
 log = logging.getLogger("asiento.worker")
 
@@ -31,6 +31,8 @@ _T = TypeVar("_T")
 
 # How often a waiting claim looks for a shutdown request (seconds).
 _SHUTDOWN_POLL = 0.1
+# How long a run cut at the end of a shutdown's grace may take to release its lease.
+_CUT_SECONDS = 5.0
 
 
 async def submit(store: Checkpointer, run_id: str, task: str, *, agent: str = "default") -> None:
@@ -60,6 +62,17 @@ class App:
     # Worker deaths in a row with none of the run's tools in flight and no new record in
     # between, before the run is parked (0: never): what may kill a worker outside a tool.
     max_lapses: int = 20
+    # Seconds a tool step may take, for tools that set no ``@tool(timeout=...)`` (None:
+    # no limit); past it an idempotent tool's step fails, any other is uncertain.
+    tool_timeout: float | None = None
+    # Seconds a shutdown waits for the steps in flight to finish; then they are cut and
+    # their runs stay resumable (docs/fleet.md); within Kubernetes' default 30 s.
+    shutdown_grace: float = 25.0
+
+    def __post_init__(self) -> None:
+        check_timeout(self.tool_timeout, "App(tool_timeout=...)")
+        if check_timeout(self.shutdown_grace, "App(shutdown_grace=...)") is None:
+            raise UsageError("App(shutdown_grace=...) takes seconds > 0, not None")
 
     def gateway_for(self) -> Gateway:
         """The gateway itself, or a new one from its factory (one per run driven)."""
@@ -137,6 +150,8 @@ class Worker:
 
         On a shutdown request no new run is claimed; every run in flight finishes its
         step, records it and releases its lease, then ``ShutdownRequested`` is raised.
+        A step still running ``app.shutdown_grace`` seconds after the request is cut:
+        its run's lease is released and the run resumes from the journal elsewhere.
         At ``max_seconds`` the runs in flight are driven to their end first.
         """
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
@@ -150,6 +165,8 @@ class Worker:
             await self._finish_in_flight(cancel=False)
             raise
         await self._finish_in_flight(cancel=False)
+        if shutdown.requested():
+            self._stopped_by_shutdown = True
         if self._stopped_by_shutdown:
             raise shutdown.ShutdownRequested("a shutdown was requested while runs were driven")
 
@@ -203,13 +220,42 @@ class Worker:
                 await asyncio.wait({waiter})
 
     async def _finish_in_flight(self, *, cancel: bool) -> None:
-        """Let every run in flight end (or, when the worker itself is cancelled, cancel them)."""
+        """Let every run in flight end (or, when the worker itself is cancelled, cancel them).
+
+        Once a shutdown is requested, the wait lasts ``app.shutdown_grace`` from the
+        request: a step that never returns must not keep a stopping worker alive.
+        """
         if cancel:
             for task in self._in_flight:
                 task.cancel()
-        if self._in_flight:
-            await asyncio.wait(set(self._in_flight))
+        while self._in_flight:
+            left = shutdown.grace_left(self.app.shutdown_grace)
+            if left is not None and left <= 0:
+                await self._cut(set(self._in_flight))
+                break
+            poll = _SHUTDOWN_POLL if left is None else min(left, _SHUTDOWN_POLL)
+            await asyncio.wait(set(self._in_flight), timeout=poll)
+            self._reap()
         self._reap()
+
+    async def _cut(self, late: set[asyncio.Task[None]]) -> None:
+        """The grace is over: cancel the runs whose steps are still running.
+
+        Each run's lease is released as its pass unwinds; a step cut this way was
+        submitted and has no outcome, so the replay table settles it on resume (an
+        idempotent tool runs again, another is reconciled or left uncertain).
+        """
+        for task in late:
+            log.warning(
+                "run %r: its step was still running %g s after the shutdown request;"
+                " cut, the run stays resumable",
+                task.get_name(),
+                self.app.shutdown_grace,
+            )
+            task.cancel()
+        await asyncio.wait(late, timeout=_CUT_SECONDS)
+        for task in late:
+            self._in_flight.discard(task)
 
     def _reap(self) -> None:
         for task in [t for t in self._in_flight if t.done()]:
@@ -256,6 +302,7 @@ class Worker:
             self.store,
             lease_ttl=self.app.lease_ttl,
             lease=claim.lease,
+            tool_timeout=self.app.tool_timeout,
         )
         try:
             self._count(await self._pass(agent, claim.task, session))

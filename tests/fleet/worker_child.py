@@ -2,6 +2,7 @@
 
     python worker_child.py worker URL DIR [--ttl S] [--max-attempts N] [--delay S] [--seconds S]
                                          [--concurrency N] [--model-delay S]
+                                         [--tool-timeout S] [--grace S]
     python worker_child.py session URL DIR RUN_ID [--ttl S] [--wait S]
     python worker_child.py race URL DIR
 
@@ -23,6 +24,8 @@ each from the task (which the tests make unique per run):
   then ``long_send``.
 - ``gates``: three idempotent ``gate`` steps; gate N writes DIR/started.TASK.N and waits
   for DIR/go.TASK.N.
+- ``stuck``: ``stuck_lookup(to=task)``, an idempotent sync tool that writes
+  DIR/started.TASK and waits for DIR/go (a lookup that hangs), then "done".
 
 Every send appends ``TASK PID`` to DIR/ledger (O_APPEND, fsynced): the effect ledger.
 A worker logs what its store did to DIR/log.PID.jsonl, one JSON object a line:
@@ -183,7 +186,18 @@ def tools(ledger: Ledger, delay: float) -> dict[str, Tool]:
             pass
         return f"spun {to}"
 
-    every = [send, pay, explode, hog, gated_send, wait_go, note, send_held, long_send, gate, spin]
+    @tool(idempotent=True)
+    def stuck_lookup(to: str) -> str:
+        """A read that hangs until DIR/go (safe to repeat); DIR/returned.TO once it returns."""
+        (folder / f"started.{to}").touch()
+        wait_for_file(folder / "go")
+        (folder / f"returned.{to}").touch()
+        return f"looked {to} up"
+
+    every = [
+        *(send, pay, explode, hog, gated_send, wait_go, note, send_held, long_send, gate, spin),
+        stuck_lookup,
+    ]
     return {t.name: t for t in every}
 
 
@@ -199,6 +213,7 @@ SCRIPTS: dict[str, list[str]] = {
     "long": ["long_send"],
     "gates": ["gate", "gate", "gate"],
     "busy": ["spin", "long_send"],
+    "stuck": ["stuck_lookup"],
 }
 NO_ARGS = {"explode", "hog"}
 POISON = {"crash", "hog"}  # agents whose model answers at once, whatever --model-delay says
@@ -291,6 +306,8 @@ async def work(args: argparse.Namespace) -> int:
         gateway=lambda: SlowModel(args.model_delay),
         lease_ttl=args.ttl,
         max_attempts=args.max_attempts,
+        tool_timeout=args.tool_timeout,
+        shutdown_grace=args.grace,
     )
     worker = Worker(store, app, poll=args.poll, concurrency=args.concurrency)
     ledger.log("ready")
@@ -377,6 +394,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     worker.add_argument("--seconds", type=float, default=120.0)
     worker.add_argument("--concurrency", type=int, default=1)
     worker.add_argument("--model-delay", type=float, default=0.0)
+    worker.add_argument("--tool-timeout", type=float, default=None)
+    worker.add_argument("--grace", type=float, default=30.0)
     session.add_argument("run_id")
     session.add_argument("--ttl", type=float, default=30.0)
     session.add_argument("--wait", type=float, default=0.0)

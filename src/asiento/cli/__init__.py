@@ -548,8 +548,9 @@ def serve(
 def worker(store: str, target: str, poll: float, until_idle: bool, concurrency: int) -> None:
     """Claim submitted runs that need work and drive them with the app's agents.
 
-    SIGTERM or SIGINT lets every step in flight finish, then the worker releases
-    its leases and stops with exit status 75; the runs stay resumable by any worker.
+    SIGTERM or SIGINT lets every step in flight finish (for at most the app's
+    shutdown_grace, 25 s by default), then the worker releases its leases and stops
+    with exit status 75; the runs stay resumable by any worker.
     """
     from ..worker import App, Worker
 

@@ -86,7 +86,9 @@ def _stale_status(postgres: bool) -> None:
     from .. import agent
     from ..events import Phase, RunStatus
 
-    async def wait_for(self: Any, status: RunStatus, step_id: str, phase: Phase) -> bool:
+    async def wait_for(
+        self: Any, status: RunStatus, step_id: str, phase: Phase, reason: str | None = None
+    ) -> bool:
         await self.store.set_status(self.run_id, status)  # the bug: no fence, no condition
         return True
 
