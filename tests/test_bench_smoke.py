@@ -58,3 +58,21 @@ def test_fleet_concurrency_table_closes_every_run(tmp_path: Path) -> None:
     for level, runs in (("1", "8"), ("4", "8")):
         row = _table_row(done.stdout, "concurrency", level)
         assert (row["runs"], row["closed"]) == (runs, runs), row
+
+
+def test_worker_loop_bench_closes_every_run(tmp_path: Path) -> None:
+    """`bench/worker_loop.py` drives K runs and the CPU-heavy neighbour to their end."""
+    bench = BENCH.parent / "worker_loop.py"
+    options = ["--runs", "8", "--steps", "2", "--neighbour-seconds", "0.3", "--dir", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, str(bench), *options],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    if "skipped: strace" in done.stdout:
+        return
+    row = next(line.split() for line in done.stdout.splitlines() if "this checkout" in line)
+    assert row[2] == "9", done.stdout  # the 8 runs and the neighbour closed

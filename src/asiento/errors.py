@@ -231,6 +231,15 @@ class ApprovalMismatch(ApprovalError, JournalError):
     """
 
 
+class IsolatedToolDied(RunError):
+    """The process of an ``@tool(isolated=True)`` tool died before it answered.
+
+    Nobody knows how far it got: the step stays submitted, and the next pass settles it
+    by the replay table (an idempotent tool runs again, another is uncertain), as after
+    a crash of the whole worker; the worker and its other runs go on.
+    """
+
+
 class ToolUnavailable(RunError):
     """A tool's destination cannot be reached, and the call certainly never left.
 

@@ -30,8 +30,8 @@ from typing import Any, Protocol, TypeVar, get_type_hints, overload
 
 import pydantic
 
-from . import outcomes
-from .errors import AsientoError, UsageError
+from . import _isolated, outcomes
+from .errors import AsientoError, IsolatedToolDied, UsageError
 from .model import ToolSchema
 from .payloads import Intent, Outcome
 
@@ -152,6 +152,8 @@ class FunctionRunner:
             return outcomes.of_value(await tool.call_validated(kwargs))
         except ToolArgumentsError as exc:
             return Outcome.failed(str(exc))
+        except IsolatedToolDied:  # not an outcome: it may have happened (the replay table)
+            raise
         except Exception as exc:
             return Outcome.failed(f"{type(exc).__name__}: {exc}")
 
@@ -177,6 +179,8 @@ class Tool:
     # Seconds a step of this tool may take before its wait is given up (None: the
     # session's ``tool_timeout``).
     timeout: float | None = None
+    # Run in a process of its own (``_isolated``): a GIL held there stops nothing here.
+    isolated: bool = False
     # Asked once: ``inspect.iscoroutinefunction`` on every call costs more than the rest
     # of the dispatch.
     is_async: bool = dataclasses.field(init=False, repr=False, compare=False)
@@ -212,6 +216,8 @@ class Tool:
         """``invoke`` for arguments ``validate`` already returned (validating twice costs)."""
         if self.is_async:
             return await self.fn(**kwargs)
+        if self.isolated:
+            return await _in_child(self.fn, kwargs)
         result = await _in_thread(functools.partial(self.fn, **kwargs))
         if inspect.isawaitable(result):
             return await result
@@ -345,6 +351,16 @@ async def _in_thread(call: Callable[[], Any]) -> Any:
         raise
 
 
+async def _in_child(fn: ToolFunction, kwargs: Mapping[str, Any]) -> Any:
+    """``fn(**kwargs)`` in a child process, waited for on a tool thread (the GIL free)."""
+    call = _isolated.IsolatedCall(fn.__module__, fn.__qualname__, dict(kwargs))
+    try:
+        return await _in_thread(call.run)
+    except asyncio.CancelledError:
+        call.kill()
+        raise
+
+
 async def within(step: Awaitable[_T], seconds: float | None, tool: str) -> _T:
     """``step``'s result, or ``ToolTimedOut`` once it has taken ``seconds``."""
     if seconds is None:
@@ -381,6 +397,7 @@ def tool(
     name: str | None = None,
     description: str | None = None,
     timeout: float | None = None,
+    isolated: bool = False,
 ) -> Callable[[ToolFunction], Tool]: ...
 
 
@@ -392,11 +409,14 @@ def tool(
     name: str | None = None,
     description: str | None = None,
     timeout: float | None = None,
+    isolated: bool = False,
 ) -> Tool | Callable[[ToolFunction], Tool]:
     """Turn a function into a ``Tool``; ``@tool`` and ``@tool(idempotent=True)`` both work.
 
     ``timeout``: seconds a step may take before its wait is given up; an idempotent
     tool's step then fails (the model is told), any other is uncertain (docs/fleet.md).
+    ``isolated``: run the (sync, top-level) function in a process of its own, so that
+    C code holding the GIL there cannot stop this process's leases (docs/fleet.md).
     """
     seconds = check_timeout(timeout, "@tool(timeout=...)")
 
@@ -405,14 +425,39 @@ def tool(
             raise UsageError(f"@tool decorates a function, got {f!r}")
         if not isinstance(idempotent, bool):
             raise UsageError(f"@tool(idempotent=...) takes True or False, got {idempotent!r}")
+        if not isinstance(isolated, bool):
+            raise UsageError(f"@tool(isolated=...) takes True or False, got {isolated!r}")
+        if isolated:
+            _check_isolatable(f)
         tool_name = f.__name__ if name is None else name
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", tool_name):
             raise UsageError(f"tool name {tool_name!r} must be 1-64 letters, digits, _ or -")
         summary, params = _parse_docstring(inspect.getdoc(f) or "")
         model = _arguments_model(f, tool_name, params)
-        return Tool(tool_name, description or summary, idempotent, f, model, timeout=seconds)
+        return Tool(
+            tool_name,
+            description or summary,
+            idempotent,
+            f,
+            model,
+            timeout=seconds,
+            isolated=isolated,
+        )
 
     return wrap(fn) if fn is not None else wrap
+
+
+def _check_isolatable(f: ToolFunction) -> None:
+    """An isolated tool's child imports the function by name: a sync one, at top level."""
+    where = f"@tool(isolated=True) on {getattr(f, '__qualname__', f)!r}"
+    if inspect.iscoroutinefunction(f):
+        raise UsageError(f"{where}: an async tool holds no thread to isolate; make it a def")
+    qualname = getattr(f, "__qualname__", "")
+    if "<" in qualname or not getattr(f, "__module__", None):
+        raise UsageError(
+            f"{where}: its process imports the function by name, so it must be defined at"
+            " the top level of a module (not inside a function, not a lambda)"
+        )
 
 
 def _arguments_model(

@@ -38,7 +38,7 @@ from ._backfill import MIGRATION_ADVICE
 from ._sqlite_capi import keep_wal_on_close, os_errno
 from ._sqlite_open import Progress, connect, identity, looks_like_a_journal, migrate, unwritable
 from ._sqlite_schema import SCHEMA_VERSION
-from ._sqlite_writer import GroupCommit, Outcome
+from ._sqlite_writer import GroupCommit, Outcome, StoreThread
 from ._wakeup import WakeUp
 from .base import (
     Row,
@@ -48,7 +48,6 @@ from .base import (
     encode_batch,
     lease_lost,
     may_take,
-    one_by_one,
     run_closed,
     run_info,
     run_locked,
@@ -66,6 +65,9 @@ _NO_ROOM = {
 
 # How many runs one claim may park before it gives up for this call.
 _MAX_PARKED_PER_CLAIM = 100
+# Claims of one ``claim_many`` transaction: a few fsyncs for a worker's free slots, and
+# no long wait for the renewals queued behind.
+_CLAIMS_PER_TRANSACTION = 16
 
 
 def _param(name: str) -> str:
@@ -131,7 +133,50 @@ UPDATE runs SET
 WHERE run_id = ?10 AND fence = ?11 AND lease_owner = ?12 AND lease_expires >= ?2
 """
 
-_REQUEUE_RELEASED = rules.requeue_released("?")
+# The plain appends of a batch (see ``_APPEND_LEASED_SAME_STATUS``), many runs in one
+# statement: the VALUES rows are (run_id, token, owner, events, calls, tools, inp, out,
+# cost, cread, cwrite[, status]), bound after ?1, the time. ``{status}``: the SET clause
+# of a status (for the appends that change it: a run's last, say), or nothing.
+_APPEND_PLAIN = """
+UPDATE runs SET {status}
+    events = events + v.column4,
+    updated_at = ?1,
+    model_calls = model_calls + v.column5,
+    tool_steps = tool_steps + v.column6,
+    input_tokens = input_tokens + v.column7,
+    output_tokens = output_tokens + v.column8,
+    cost = cost + v.column9,
+    cached_input_tokens = cached_input_tokens + v.column10,
+    cache_write_tokens = cache_write_tokens + v.column11,
+    lease_expires = ?1 + lease_ttl
+FROM (VALUES {values}) AS v
+WHERE runs.run_id = v.column1 AND runs.fence = v.column2 AND runs.lease_owner = v.column3
+    AND runs.lease_expires >= ?1
+"""
+# Leases renewed in one statement: the VALUES rows are (run_id, token, owner, ttl).
+_RENEW = """
+UPDATE runs SET lease_ttl = v.column4, lease_expires = ?1 + v.column4
+FROM (VALUES {values}) AS v
+WHERE runs.run_id = v.column1 AND runs.fence = v.column2 AND runs.lease_owner = v.column3
+    AND runs.lease_expires >= ?1
+RETURNING runs.run_id, runs.fence
+"""
+# Leases given up in one statement: the VALUES rows are (run_id, token, owner, and what
+# the pass saved: calls, input and output tokens, cost; and whether it stopped cleanly).
+_RELEASE = f"""
+UPDATE runs SET lease_owner = NULL, lease_expires = NULL, {rules.requeue_released("?1")},
+    replayed_calls = replayed_calls + v.column4,
+    saved_input_tokens = saved_input_tokens + v.column5,
+    saved_output_tokens = saved_output_tokens + v.column6,
+    saved_cost = saved_cost + v.column7,
+    attempts = CASE WHEN v.column8 THEN max(attempts - 1, 0) ELSE attempts END
+FROM (VALUES {{values}}) AS v
+WHERE runs.run_id = v.column1 AND runs.fence = v.column2 AND runs.lease_owner = v.column3
+"""
+# Below SQLite's 32,766 bound variables a statement.
+_ROWS_PER_UPDATE = 2000
+_ROWS_PER_INSERT = 4000
+
 
 _INSERT_RECORD = "INSERT INTO journal VALUES (?, ?, ?, ?, ?, ?)"
 
@@ -162,6 +207,35 @@ FROM runs INDEXED BY runs_claimable
 WHERE {rules.claimable(":now")}
 ORDER BY {rules.queue_order()} LIMIT 1
 """
+
+
+class _Refused(Exception):
+    """An append of the plain ones was refused: each is written apart, to fail alone."""
+
+
+def _plain(item: _Append) -> bool:
+    """Leased, its budget as it is: the append of almost every step."""
+    return item.lease is not None and not item.counts["budget"]
+
+
+def _plain_params(item: _Append) -> tuple[Any, ...]:
+    counts, lease = item.counts, item.lease
+    assert lease is not None
+    status = () if item.status is None else (RunStatus(item.status).value,)
+    return (
+        *(item.run_id, lease.token, lease.owner, len(item.rows), counts["calls"]),
+        *(counts["tools"], counts["inp"], counts["out"], counts["cost"], counts["cread"]),
+        counts["cwrite"],
+        *status,
+    )
+
+
+_STATUS_OF_VALUES = rules.status_write("v.column12", "?1") + ","
+
+
+def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +276,10 @@ class SqliteCheckpointer:
         self._wakeup = WakeUp()
         self._timeout = timeout
         self._db = connect(self.path, timeout, read_only=read_only)
-        self._writer = GroupCommit(self._commit_batch, self._commit_alone)
+        # Every use of the connection goes through its thread (``_sqlite_writer``): a
+        # commit that fsyncs or waits for a lock never holds the event loop.
+        self._thread = StoreThread(f"asiento-sqlite {self.path.name}")
+        self._writer = GroupCommit(self._thread, self._commit_batch, self._commit_alone)
         try:
             self._open()
         except BaseException:
@@ -267,28 +344,72 @@ class SqliteCheckpointer:
         append with the error it would have had alone: nothing of the batch is recorded.
         """
         db, now = self._db, time.time()
-        outcomes: list[Outcome] = []
+        outcomes: dict[int, Outcome] = {}
         try:
             db.execute("BEGIN IMMEDIATE")
             try:
-                for item in batch:
-                    db.execute("SAVEPOINT one_append")
-                    try:
-                        self._write(item, now, alone=False)
-                    except (JournalError, UsageError) as exc:
-                        db.execute("ROLLBACK TO one_append")
-                        outcomes.append(exc)
-                    else:
-                        outcomes.append(None)
+                plain = [n for n, item in enumerate(batch) if _plain(item)]
+                if len(plain) > 1 and self._write_plain([batch[n] for n in plain], now):
+                    for n in plain:
+                        outcomes[n] = None
                         crash_point("inside_commit")
-                    db.execute("RELEASE one_append")
+                for n, item in enumerate(batch):
+                    if n not in outcomes:
+                        outcomes[n] = self._write_apart(item, now)
             except BaseException:
                 db.rollback()
                 raise
             db.commit()
         except sqlite3.Error as exc:
             return [self._translated(exc) for _ in batch]
-        return outcomes
+        return [outcomes[n] for n in range(len(batch))]
+
+    def _write_apart(self, item: _Append, now: float) -> Outcome:
+        """One append of a batch in its own SAVEPOINT: refused, it is rolled back alone."""
+        db = self._db
+        db.execute("SAVEPOINT one_append")
+        try:
+            self._write(item, now, alone=False)
+        except (JournalError, UsageError) as exc:
+            db.execute("ROLLBACK TO one_append")
+            return exc
+        else:
+            crash_point("inside_commit")
+            return None
+        finally:
+            db.execute("RELEASE one_append")
+
+    def _write_plain(self, items: list[_Append], now: float) -> bool:
+        """The plain appends of a batch (leased, budget unchanged, one per run) in three
+        statements at most, whatever their number; False, and nothing written, if any
+        one is refused (its lease lost, a record already there): then each is written
+        apart, to fail alone. Few statements matter off the loop: each one gives the
+        GIL up and waits to get it back while the loop is busy.
+        """
+        if len({item.run_id for item in items}) < len(items):
+            return False
+        db = self._db
+        same = [item for item in items if item.status is None]
+        changed = [item for item in items if item.status is not None]
+        db.execute("SAVEPOINT plain_appends")
+        try:
+            for group, status, width in ((same, "", 11), (changed, _STATUS_OF_VALUES, 12)):
+                for chunk in _chunks(group, _ROWS_PER_UPDATE):
+                    row = "(" + ", ".join(["?"] * width) + ")"
+                    sql = _APPEND_PLAIN.format(status=status, values=", ".join([row] * len(chunk)))
+                    args = [arg for item in chunk for arg in _plain_params(item)]
+                    if db.execute(sql, [now, *args]).rowcount != len(chunk):
+                        raise _Refused
+            rows = [row for item in items for row in item.rows]
+            for part in _chunks(rows, _ROWS_PER_INSERT):
+                sql = "INSERT INTO journal VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?)"] * len(part))
+                db.execute(sql, [value for row in part for value in row])
+        except (_Refused, sqlite3.IntegrityError):
+            db.execute("ROLLBACK TO plain_appends")
+            db.execute("RELEASE plain_appends")
+            return False
+        db.execute("RELEASE plain_appends")
+        return True
 
     def _write(self, item: _Append, now: float, *, alone: bool) -> None:
         """The statements of one append, inside a transaction the caller opened."""
@@ -336,6 +457,9 @@ class SqliteCheckpointer:
     async def acquire(
         self, run_id: str, holder: Holder, *, ttl: float, force: bool = False
     ) -> Lease:
+        return await self._thread.send(self._acquire, run_id, holder, ttl, force)
+
+    def _acquire(self, run_id: str, holder: Holder, ttl: float, force: bool) -> Lease:
         sql = (
             "SELECT lease_owner, lease_host, lease_pid, lease_started, lease_expires, fence"
             " FROM runs WHERE run_id = ?"
@@ -375,55 +499,80 @@ class SqliteCheckpointer:
 
     async def renew(self, lease: Lease, *, ttl: float) -> Lease:
         now = time.time()
-        with self._errors(), self._transaction():
-            self._db.execute(
-                "UPDATE runs SET lease_ttl = ? WHERE run_id = ? AND fence = ?",
-                (ttl, lease.run_id, lease.token),
-            )
-            self._check_lease(lease)
+        # Ahead of the work queued, and with every renewal due meanwhile: one commit for
+        # all the leases of a worker, however many runs it drives.
+        await self._thread.together(self._renew_all, (lease, ttl), urgent=True)
         return Lease(run_id=lease.run_id, token=lease.token, owner=lease.owner, expires=now + ttl)
+
+    def _renew_all(self, renewals: list[tuple[Lease, float]]) -> list[Outcome]:
+        """Renew the leases in one statement; a lease no longer held gets ``LeaseLost``."""
+        now, renewed = time.time(), set[tuple[str, int]]()
+        try:
+            with self._transaction():
+                for chunk in _chunks(renewals, _ROWS_PER_UPDATE):
+                    values = ", ".join(["(?, ?, ?, ?)"] * len(chunk))
+                    args = [
+                        a
+                        for lease, ttl in chunk
+                        for a in (lease.run_id, lease.token, lease.owner, ttl)
+                    ]
+                    rows = self._db.execute(_RENEW.format(values=values), [now, *args]).fetchall()
+                    renewed.update((run_id, fence) for run_id, fence in rows)
+        except sqlite3.Error as exc:
+            return [self._translated(exc) for _ in renewals]
+        return [
+            None if (lease.run_id, lease.token) in renewed else lease_lost(lease)
+            for lease, _ in renewals
+        ]
 
     async def release(
         self, lease: Lease, *, savings: Savings | None = None, clean: bool = False
     ) -> None:
-        saved = savings or Savings()
-        with self._errors(), self._transaction():
-            self._db.execute(
-                f"UPDATE runs SET lease_owner = NULL, lease_expires = NULL, {_REQUEUE_RELEASED},"
-                " replayed_calls = replayed_calls + ?, saved_input_tokens = saved_input_tokens + ?,"
-                " saved_output_tokens = saved_output_tokens + ?, saved_cost = saved_cost + ?,"
-                " attempts = CASE WHEN ? THEN max(attempts - 1, 0) ELSE attempts END"
-                " WHERE run_id = ? AND fence = ? AND lease_owner = ?",
-                (
-                    time.time(),
-                    saved.calls,
-                    saved.input_tokens,
-                    saved.output_tokens,
-                    saved.cost,
-                    clean,
-                    lease.run_id,
-                    lease.token,
-                    lease.owner,
-                ),
-            )
+        # With the releases queued meanwhile: one commit when many runs end at once.
+        await self._thread.together(self._release_all, (lease, savings or Savings(), clean))
         self._wakeup.ring()
+
+    def _release_all(self, releases: list[tuple[Lease, Savings, bool]]) -> list[Outcome]:
+        """Give the leases up (those still held) in one statement."""
+        try:
+            with self._transaction():
+                for chunk in _chunks(releases, _ROWS_PER_UPDATE):
+                    values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
+                    args = [
+                        value
+                        for lease, saved, clean in chunk
+                        for value in (
+                            *(lease.run_id, lease.token, lease.owner, saved.calls),
+                            *(saved.input_tokens, saved.output_tokens, saved.cost, clean),
+                        )
+                    ]
+                    self._db.execute(_RELEASE.format(values=values), [time.time(), *args])
+        except sqlite3.Error as exc:
+            return [self._translated(exc) for _ in releases]
+        return [None] * len(releases)
 
     async def load(self, run_id: str) -> list[StepEvent]:
         sql = (
             "SELECT step_id, phase, decision, payload, created_at FROM journal"
             " WHERE run_id = ? ORDER BY rowid"
         )
-        with self._errors():
-            rows = self._db.execute(sql, (run_id,)).fetchall()
+        rows = await self._thread.call(self._all, sql, (run_id,))
         return [decode_row(run_id, row) for row in rows]
+
+    def _all(self, sql: str, args: tuple[Any, ...]) -> list[Any]:
+        with self._errors():
+            return self._db.execute(sql, args).fetchall()
+
+    def _one(self, sql: str, args: tuple[Any, ...]) -> Any:
+        with self._errors():
+            return self._db.execute(sql, args).fetchone()
 
     async def load_step(self, run_id: str, step_id: str) -> list[StepEvent]:
         sql = (
             "SELECT step_id, phase, decision, payload, created_at FROM journal"
             " WHERE run_id = ? AND step_id = ? ORDER BY rowid"
         )
-        with self._errors():
-            rows = self._db.execute(sql, (run_id, step_id)).fetchall()
+        rows = await self._thread.call(self._all, sql, (run_id, step_id))
         return [decode_row(run_id, row) for row in rows]
 
     async def final(self, run_id: str) -> StepEvent | None:
@@ -431,14 +580,12 @@ class SqliteCheckpointer:
             "SELECT step_id, phase, decision, payload, created_at FROM journal"
             " WHERE run_id = ? AND step_id = ? AND phase = ?"
         )
-        with self._errors():
-            row = self._db.execute(sql, (run_id, step_ids.FINAL, Phase.RESULT.value)).fetchone()
+        row = await self._thread.call(self._one, sql, (run_id, step_ids.FINAL, Phase.RESULT.value))
         return None if row is None else decode_row(run_id, row)
 
     async def age(self, run_id: str, step_id: str, phase: Phase) -> float | None:
         sql = "SELECT created_at FROM journal WHERE run_id = ? AND step_id = ? AND phase = ?"
-        with self._errors():
-            row = self._db.execute(sql, (run_id, step_id, Phase(phase).value)).fetchone()
+        row = await self._thread.call(self._one, sql, (run_id, step_id, Phase(phase).value))
         return None if row is None else _clock.now() - float(row[0])
 
     async def set_status(
@@ -451,6 +598,19 @@ class SqliteCheckpointer:
         waits_for: tuple[str, Phase] | None = None,
     ) -> bool:
         value = RunStatus(status).value
+        changed = await self._thread.send(self._set_status, run_id, value, reason, lease, waits_for)
+        if changed:
+            self._wakeup.ring()
+        return changed
+
+    def _set_status(
+        self,
+        run_id: str,
+        value: str,
+        reason: str | None,
+        lease: Lease | None,
+        waits_for: tuple[str, Phase] | None,
+    ) -> bool:
         with self._errors(), self._transaction():
             if lease is not None:
                 self._check_lease(lease)
@@ -460,7 +620,6 @@ class SqliteCheckpointer:
             cur = self._db.execute(_SET_STATUS, params)
             if cur.rowcount == 0:
                 raise self._not_markable(run_id)
-        self._wakeup.ring()
         return True
 
     def _holds(self, run_id: str, step_id: str, phase: Phase) -> bool:
@@ -475,6 +634,10 @@ class SqliteCheckpointer:
 
     async def submit(self, run_id: str, task: str, *, agent: str = "default") -> None:
         check_id("run_id", run_id)
+        await self._thread.send(self._submit, run_id, task, agent)
+        self._wakeup.ring()
+
+    def _submit(self, run_id: str, task: str, agent: str) -> None:
         now = time.time()
         with self._errors(), self._transaction():
             try:
@@ -485,52 +648,68 @@ class SqliteCheckpointer:
                 )
             except sqlite3.IntegrityError:
                 raise UsageError(f"run {run_id!r} already exists in {self.path}") from None
-        self._wakeup.ring()
 
     async def claim(
         self, holder: Holder, *, ttl: float, max_attempts: int = 5, max_lapses: int = 0
     ) -> Claim | None:
+        claims = await self._thread.send(self._claim, holder, 1, ttl, max_attempts, max_lapses)
+        return claims[0] if claims else None
+
+    def _claim(
+        self, holder: Holder, limit: int, ttl: float, max_attempts: int, max_lapses: int
+    ) -> list[Claim]:
+        """Up to ``limit`` claims in one transaction (one commit for a worker's free slots)."""
+        taken: list[Claim] = []
         with self._errors(), self._transaction():
-            for _ in range(_MAX_PARKED_PER_CLAIM):
-                now = time.time()
-                row = self._db.execute(_CLAIMABLE, {"now": now}).fetchone()
-                if row is None:
-                    return None
-                run_id, task, agent, attempts, reason, fence, lapsed, lapses, progressed = row
-                judged = rules.charge(
-                    attempts=attempts,
-                    lapses=lapses,
-                    lapsed=bool(lapsed),
-                    in_flight=self._in_flight(run_id) if lapsed else None,
-                    progressed=bool(progressed),
+            while len(taken) < limit and (
+                claim := self._claim_one(holder, ttl, max_attempts, max_lapses)
+            ):
+                taken.append(claim)
+        return taken
+
+    def _claim_one(
+        self, holder: Holder, ttl: float, max_attempts: int, max_lapses: int
+    ) -> Claim | None:
+        for _ in range(_MAX_PARKED_PER_CLAIM):
+            now = time.time()
+            row = self._db.execute(_CLAIMABLE, {"now": now}).fetchone()
+            if row is None:
+                return None
+            run_id, task, agent, attempts, reason, fence, lapsed, lapses, progressed = row
+            judged = rules.charge(
+                attempts=attempts,
+                lapses=lapses,
+                lapsed=bool(lapsed),
+                in_flight=self._in_flight(run_id) if lapsed else None,
+                progressed=bool(progressed),
+            )
+            if judged.in_flight is not None:
+                reason = rules.died_in(judged.in_flight)
+            self._db.execute(
+                "UPDATE runs SET attempts = ?, lapses = ?, reason = ? WHERE run_id = ?",
+                (judged.attempts, judged.lapses, reason, run_id),
+            )
+            if rules.parks(judged.attempts, max_attempts, judged.lapses, max_lapses):
+                why = rules.parked_reason(
+                    judged.attempts, reason, lapses=judged.lapses, max_lapses=max_lapses
                 )
-                if judged.in_flight is not None:
-                    reason = rules.died_in(judged.in_flight)
-                self._db.execute(
-                    "UPDATE runs SET attempts = ?, lapses = ?, reason = ? WHERE run_id = ?",
-                    (judged.attempts, judged.lapses, reason, run_id),
-                )
-                if rules.parks(judged.attempts, max_attempts, judged.lapses, max_lapses):
-                    why = rules.parked_reason(
-                        judged.attempts, reason, lapses=judged.lapses, max_lapses=max_lapses
-                    )
-                    params = {"status": "parked", "now": now, "run_id": run_id}
-                    self._db.execute(_SET_STATUS, params | {"reason": why})
-                    continue
-                self._take(run_id, holder, ttl, fence, now)
-                self._db.execute(
-                    "UPDATE runs SET attempts = attempts + 1, claim_events = events, queued_at = ?"
-                    " WHERE run_id = ?",
-                    (now, run_id),
-                )
-                lease = Lease(run_id=run_id, token=fence + 1, owner=holder.owner, expires=now + ttl)
-                return Claim(
-                    lease=lease,
-                    task=task,
-                    agent=agent,
-                    attempts=judged.attempts + 1,
-                    in_flight=judged.in_flight,
-                )
+                params = {"status": "parked", "now": now, "run_id": run_id}
+                self._db.execute(_SET_STATUS, params | {"reason": why})
+                continue
+            self._take(run_id, holder, ttl, fence, now)
+            self._db.execute(
+                "UPDATE runs SET attempts = attempts + 1, claim_events = events, queued_at = ?"
+                " WHERE run_id = ?",
+                (now, run_id),
+            )
+            lease = Lease(run_id=run_id, token=fence + 1, owner=holder.owner, expires=now + ttl)
+            return Claim(
+                lease=lease,
+                task=task,
+                agent=agent,
+                attempts=judged.attempts + 1,
+                in_flight=judged.in_flight,
+            )
         return None
 
     def _in_flight(self, run_id: str) -> str | None:
@@ -550,10 +729,14 @@ class SqliteCheckpointer:
         max_attempts: int = 5,
         max_lapses: int = 0,
     ) -> list[Claim]:
-        return await one_by_one(
-            self.claim(holder, ttl=ttl, max_attempts=max_attempts, max_lapses=max_lapses)
-            for _ in range(limit)
-        )
+        taken: list[Claim] = []
+        while len(taken) < limit:  # in chunks: a renewal never waits for hundreds of claims
+            want = min(_CLAIMS_PER_TRANSACTION, limit - len(taken))
+            got = await self._thread.send(self._claim, holder, want, ttl, max_attempts, max_lapses)
+            taken += got
+            if len(got) < want:
+                break
+        return taken
 
     async def wait_for_work(self, timeout: float) -> None:
         await self._wakeup.wait(timeout)  # this object's writes ring; others' wait the poll
@@ -563,19 +746,17 @@ class SqliteCheckpointer:
         args: tuple[str, ...] = ()
         if status is not None:
             sql, args = sql + " WHERE status = ?", (RunStatus(status).value,)
-        with self._errors():
-            rows = self._db.execute(sql + " ORDER BY created_at, run_id", args).fetchall()
+        rows = await self._thread.call(self._all, sql + " ORDER BY created_at, run_id", args)
         return [run_info(row) for row in rows]
 
     async def run(self, run_id: str) -> RunInfo | None:
-        with self._errors():
-            row = self._db.execute(
-                f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ?", (run_id,)
-            ).fetchone()
+        sql = f"SELECT {_RUN_COLUMNS} FROM runs WHERE run_id = ?"
+        row = await self._thread.call(self._one, sql, (run_id,))
         return None if row is None else run_info(row)
 
     async def close(self) -> None:
-        self._db.close()
+        await self._thread.send(self._db.close)  # after the work queued before it
+        self._thread.stop()
 
     @contextmanager
     def _transaction(self) -> Iterator[None]:
