@@ -177,6 +177,45 @@ async def test_raise_on_a_run_not_stopped_is_refused(journal: Journal) -> None:
         Budget(max_cost=-1)
 
 
+HUGE = 10**400  # a 400-digit limit: more than a float or a 64-bit column holds
+
+
+async def test_a_raise_beyond_a_64_bit_count_is_one_clear_refusal(journal: Journal) -> None:
+    await stopped(journal)
+    before = await journal.open().load(RUN)
+    for limit in ("max_model_calls", "max_tokens", "max_cost"):
+        with pytest.raises(UsageError, match=r"at most 9223372036854775807 \(2\*\*63 - 1\)"):
+            await raise_budget(journal.open(), RUN, by="ana", **{limit: HUGE})
+    with pytest.raises(UsageError, match="integer of 1329 bits"):
+        Budget(max_tokens=HUGE)
+    assert await journal.open().load(RUN) == before
+    await raise_budget(journal.open(), RUN, by="ana", max_model_calls=2**63 - 1)  # the largest
+
+
+def test_a_huge_raise_from_the_cli_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    db = tmp_path / "runs.db"
+    journal = Journal(db)
+
+    async def first() -> None:
+        await stopped(journal, calls=2)
+        for s in journal.opened:
+            await s.close()
+
+    asyncio.run(first())
+    argv = [sys.executable, "-m", "asiento", "budget", RUN, "--max-model-calls", str(HUGE)]
+    proc = subprocess.run(
+        [*argv, "--by", "ana", "--store", str(db)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "must be at most 9223372036854775807" in proc.stderr
+
+
 def test_raise_from_the_cli_then_resume(tmp_path: Path) -> None:
     db = tmp_path / "runs.db"
     journal = Journal(db)

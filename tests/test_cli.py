@@ -201,6 +201,32 @@ async def test_show_prints_the_timeline(tmp_path: Path) -> None:
     assert shown["effects"] == []
 
 
+# What a model may name a tool: a clear-screen, a clipboard write (OSC 52), a C1 CSI, and a
+# right-to-left override; and an argument with a carriage return that rewrites the line.
+HOSTILE = "\x1b[2J\x1b]52;c;aGkK\x07pay\u202egpj.exe\x9b"
+
+
+async def test_show_spells_out_what_a_model_wrote_instead_of_obeying_it(tmp_path: Path) -> None:
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    call = ToolCall(name=HOSTILE, arguments={"to": "ana\rOK: nothing to see"})
+    gw = ScriptedGateway([ModelResponse(tool_calls=[call]), ModelResponse(text="done")])
+    async for _ in Agent(tools=[]).run("x", session=Session("run-1", gw, store)):
+        pass
+    await store.close()
+    table = cli("show", "run-1", cwd=tmp_path)
+    assert table.returncode == 0, table.stderr
+    for raw in ("\x1b", "\x07", "\x9b", "\u202e", "\r"):
+        assert raw not in table.stdout, f"{raw!r} reached the terminal"
+    assert "\\x1b[2J\\x1b]52;c;aGkK\\x07pay\\u202egpj.exe\\x9b" in table.stdout
+    as_json = cli("show", "run-1", "--json", cwd=tmp_path)
+    for raw in ("\x1b", "\x07", "\x9b", "\u202e", "\r"):
+        assert raw not in as_json.stdout, f"{raw!r} reached the terminal in --json"
+    shown = json.loads(as_json.stdout)
+    assert shown["events"][1]["payload"]["tool"] == HOSTILE  # the same string, parsed
+    runs = cli("runs", cwd=tmp_path)
+    assert "\x1b" not in runs.stdout
+
+
 async def test_approve_lets_the_next_pass_pay_once(tmp_path: Path) -> None:
     """`approve` records who approved; the next pass pays exactly once and closes the run."""
     db = tmp_path / "runs.db"

@@ -21,6 +21,10 @@ from .payloads import BudgetRaise, BudgetStop, ModelResult, is_model_result
 
 LIMITS = ("max_cost", "max_tokens", "max_model_calls")
 
+# The largest limit a journal's 64-bit columns hold (larger is as good as unlimited, and
+# would overflow a float or the index): refused, clearly, rather than half-recorded.
+MAX_LIMIT = 2**63 - 1
+
 
 @dataclass(frozen=True, slots=True)
 class Budget:
@@ -41,6 +45,11 @@ class Budget:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise UsageError(f"Budget({name}=...) must be a number, got {value!r}")
+            if isinstance(value, int) and value > MAX_LIMIT:  # beyond a 64-bit count
+                raise UsageError(
+                    f"Budget({name}=...) must be at most {MAX_LIMIT} (2**63 - 1), got an"
+                    f" integer of {value.bit_length()} bits; nothing was recorded"
+                )
             if not math.isfinite(value) or value < 0:
                 raise UsageError(f"Budget({name}=...) must be a finite number >= 0, got {value!r}")
 

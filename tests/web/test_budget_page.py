@@ -34,6 +34,9 @@ async def test_raising_the_budget_on_the_page_then_resuming_pays_only_new_calls(
         bad = client.post("/budget", data={**form, "max_model_calls": "lots"})
         assert bad.status_code == 400
         assert "must be a number" in bad.text
+        huge = client.post("/budget", data={**form, "max_model_calls": "9" * 400})
+        assert huge.status_code == 400, huge.text
+        assert "must be at most 9223372036854775807" in huge.text
         answer = client.post("/budget", data=form)
         assert answer.status_code == 200, answer.text  # followed to the run page
         assert "budget raised to max_model_calls=50 by ana" in banner(answer.text)

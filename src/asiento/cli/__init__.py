@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import json
 import logging
 import os
 import secrets
@@ -29,6 +28,7 @@ from click.core import ParameterSource
 from rich.console import Console
 
 from .. import shutdown, views
+from .._terminal import json_text, printable, scrubbed
 from ..decisions import abandon as abandon_run
 from ..decisions import approve as approve_step
 from ..decisions import deny as deny_step
@@ -93,7 +93,12 @@ def console() -> Console:
 
 
 def print_json(data: Any) -> None:
-    click.echo(json.dumps(data, ensure_ascii=False, indent=2))
+    click.echo(json_text(data))
+
+
+def say(text: str) -> None:
+    """A line for the terminal: what a model or a user wrote in it, spelled out safely."""
+    click.echo(printable(text))
 
 
 def load_target(target: str) -> object:
@@ -230,7 +235,7 @@ def runs(store: str, statuses: tuple[str, ...], as_json: bool) -> None:
         print_json([views.run_json(info) for info in infos])
         return
     out = console()
-    out.print(_render.runs_table(infos, title=shown(store), width=out.width))
+    out.print(_render.runs_table(scrubbed(infos), title=shown(store), width=out.width))
 
 
 @main.command()
@@ -255,7 +260,7 @@ def show(run_id: str, store: str, as_json: bool) -> None:
         print_json(views.show_json(info, events))
         return
     out = console()
-    for part in _render.run_view(info, events, hint=_hint_store(store)):
+    for part in _render.run_view(scrubbed(info), scrubbed(events), hint=_hint_store(store)):
         out.print(part)
 
 
@@ -307,9 +312,9 @@ def approve(
         return waiting, await views.find_run(journal, run_id)
 
     waiting, info = with_store(store, job)
-    click.echo(f"approved run {run_id!r} step {step_id!r} (by {by}); these exact arguments:")
-    click.echo(views.call_lines(waiting))
-    click.echo(_what_next(info, store))
+    say(f"approved run {run_id!r} step {step_id!r} (by {by}); these exact arguments:")
+    say(views.call_lines(waiting))
+    say(_what_next(info, store))
 
 
 @main.command()
@@ -331,10 +336,10 @@ def deny(run_id: str, step_id: str, by: str, reason: str, store: str) -> None:
         return waiting, await views.find_run(journal, run_id)
 
     waiting, info = with_store(store, job)
-    click.echo(f"denied run {run_id!r} step {step_id!r} (by {by}: {reason}); it asked for:")
-    click.echo(views.call_lines(waiting))
-    click.echo("The model is told about the denial when the run goes on.")
-    click.echo(_what_next(info, store))
+    say(f"denied run {run_id!r} step {step_id!r} (by {by}: {reason}); it asked for:")
+    say(views.call_lines(waiting))
+    say("The model is told about the denial when the run goes on.")
+    say(_what_next(info, store))
 
 
 @main.command()
@@ -377,9 +382,9 @@ def resolve(
 
     waiting, info = with_store(store, job)
     found = "happened" if happened else "did not happen (the next pass runs it once more)"
-    click.echo(f"recorded: run {run_id!r} step {step_id!r} {found} (by {by}); the effect:")
-    click.echo(views.call_lines(waiting))
-    click.echo(_what_next(info, store))
+    say(f"recorded: run {run_id!r} step {step_id!r} {found} (by {by}); the effect:")
+    say(views.call_lines(waiting))
+    say(_what_next(info, store))
 
 
 @main.command()
@@ -402,7 +407,7 @@ def abandon(run_id: str, by: str, reason: str, store: str) -> None:
         return [w for w in waiting if w.kind != "approval"]
 
     in_flight = with_store(store, job)
-    click.echo(f"run {run_id!r} is closed: abandoned by {by}: {reason}")
+    say(f"run {run_id!r} is closed: abandoned by {by}: {reason}")
     for waiting in in_flight:
         click.echo(
             f"step {waiting.record_id!r} ({waiting.tool}) was in flight: submitted with no "
@@ -423,7 +428,7 @@ def unpark(run_id: str, by: str, reason: str, store: str) -> None:
         return await views.find_run(journal, run_id)
 
     info = with_store(store, job)
-    click.echo(f"run {run_id!r} is unparked. {_what_next(info, store)}")
+    say(f"run {run_id!r} is unparked. {_what_next(info, store)}")
 
 
 @main.command()
@@ -458,7 +463,7 @@ def budget(
         return await views.find_run(journal, run_id)
 
     info = with_store(store, job)
-    click.echo(f"run {run_id!r}: budget raised. {_what_next(info, store)}")
+    say(f"run {run_id!r}: budget raised. {_what_next(info, store)}")
 
 
 # -- servers -------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from starlette.routing import Route
 from .. import step_ids
 from .. import views as fmt
 from .._listen import listening_socket
+from ..budget import Budget
 from ..decisions import approve, deny, raise_budget, resolve
 from ..effects.records import effect_records_of
 from ..errors import ApprovalError, AsientoError, UsageError
@@ -376,8 +377,12 @@ class Pages:
             try:
                 limits[name] = kind(text)
             except ValueError:
-                msg = f"{name} must be a number, got {text!r}. Nothing recorded."
+                msg = f"{name} must be a number, got {text[:40]!r}. Nothing recorded."
                 raise _Refused(400, msg) from None
+        try:
+            Budget(**limits)
+        except UsageError as exc:  # the person's input, refused before anything is read
+            raise _Refused(400, f"{exc}.") from None
         reason = form.get("reason", "").strip()
         event = await raise_budget(
             self.store, form.get("run_id", ""), by=by, reason=reason, **limits
