@@ -282,7 +282,10 @@ def muerto(work: Path, k: subprocess.Popen[str]) -> dict[str, Any]:
     db = work / "runs.db"
     m: dict[str, Any] = {}
     try:
-        esperar_a(lambda: bool(lines(work / "esperar.K")), "K to enter esperar")
+        esperar_a(lambda: bool(lines(work / "esperar.K")) or k.poll() is not None, "K")
+        if k.poll() is not None:
+            out, err = k.communicate(timeout=60)
+            raise RuntimeError(f"K ended before it entered esperar:\n{out}{err}")
     finally:
         k.send_signal(signal.SIGKILL)
         k.communicate(timeout=60)

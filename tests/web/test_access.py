@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -256,3 +257,61 @@ async def test_an_app_with_open_reading_still_needs_the_token_off_loopback(
     assert remote.status_code == 401
     assert_shows_no_run_data(remote.text)
     assert signed.status_code == 200
+
+
+async def test_a_non_ascii_session_cookie_is_no_session_not_a_500(tmp_path: Path) -> None:
+    """A cookie is the client's to write: one that is not ASCII reads as no session."""
+    await suspended(tmp_path / "runs.db", "invoice-42")
+    cookie = f"{SESSION_COOKIE}=\u00e9t\u00e9.caf\u00e9".encode()
+    with serving(tmp_path) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        for path in ("/", "/login", "/runs/invoice-42"):
+            answer = client.get(path, headers={"cookie": cookie})
+            assert answer.status_code in (200, 401), (path, answer.status_code, answer.text)
+        assert_shows_no_run_data(client.get("/", headers={"cookie": cookie}).text)
+        with_token = client.get("/", headers={"cookie": cookie, **BEARER})
+        assert with_token.status_code == 200
+
+
+async def test_login_and_logout_refuse_a_bad_body_clearly(tmp_path: Path) -> None:
+    """Not a form: 415; a form of 1 MB: 413; never a 500, and no session set."""
+    await suspended(tmp_path / "runs.db", "invoice-42")
+    with serving(tmp_path) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        for path in ("/login", "/logout"):
+            as_json = client.post(path, json={"by": "ana", "token": TOKEN})
+            assert as_json.status_code == 415, (path, as_json.text)
+            huge = client.post(path, data={"by": "ana", "token": TOKEN, "pad": "x" * (1 << 20)})
+            assert huge.status_code == 413, (path, huge.text)
+            assert "too large" in huge.text
+        assert SESSION_COOKIE not in client.cookies
+
+
+async def test_a_huge_form_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """150 MB sent to a form without a token: the server stops reading at 64 KiB (chunked,
+    so no Content-Length warns it), and refuses a declared 150 MB without reading at all."""
+    await suspended(tmp_path / "runs.db", "invoice-42")
+    total, sent = 150 << 20, [0]
+
+    def body() -> Iterator[bytes]:
+        chunk = b"x" * (1 << 16)
+        while sent[0] < total:
+            sent[0] += len(chunk)
+            yield chunk
+
+    headers = {"content-type": "application/x-www-form-urlencoded"}
+    with serving(tmp_path) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        try:
+            answer = client.post("/approve", content=body(), headers=headers)
+            assert answer.status_code == 413, answer.text
+        except httpx.HTTPError:
+            pass  # the server closed the connection on the rest of the body
+        assert sent[0] < 16 << 20, f"the server read {sent[0] >> 20} MB of a refused form"
+    with serving(tmp_path) as server:  # a raw request: it declares 150 MB, sends 6 bytes
+        host, port = server.url.removeprefix("http://").rstrip("/").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as raw:
+            head = (
+                f"POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {total}\r\n"
+                "Content-Type: application/x-www-form-urlencoded\r\n\r\nby=ana"
+            )
+            raw.sendall(head.encode())
+            status_line = raw.makefile("rb").readline()
+        assert status_line.startswith(b"HTTP/1.1 413"), status_line

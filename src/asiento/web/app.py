@@ -146,7 +146,10 @@ class Pages:
     def problem(self, request: Request, status: int, message: str, back: str = "/") -> Response:
         heading = {404: "Not found", 401: "Log in first"}.get(status, "Refused")
         context = {"heading": heading, "message": message, "message_kind": "error"}
-        return self.render(request, "problem.html", status, here=back, back=back, **context)
+        response = self.render(request, "problem.html", status, here=back, back=back, **context)
+        if status == 413:  # the rest of the body is never read: end the connection
+            response.headers["connection"] = "close"
+        return response
 
     # -- reading -----------------------------------------------------------------------
 
@@ -253,7 +256,10 @@ class Pages:
         return self.render(request, "login.html", next=target)
 
     async def login(self, request: Request) -> Response:
-        form = await _form(request)
+        try:
+            form = await _form(request)
+        except _Refused as exc:
+            return self.problem(request, exc.status, str(exc), "/login")
         if not _same_origin(request):
             return self.problem(request, 403, CROSS_SITE)
         by, target = form.get("by", "").strip(), _local(form.get("next", "/"))
@@ -273,7 +279,10 @@ class Pages:
         return response
 
     async def logout(self, request: Request) -> Response:
-        form = await _form(request)
+        try:
+            form = await _form(request)
+        except _Refused as exc:
+            return self.problem(request, exc.status, str(exc))
         operator = self.guard.access(request).operator
         if not _same_origin(request) or (
             operator is not None and not self.guard.csrf_ok(operator, form.get("csrf", ""))
@@ -438,9 +447,15 @@ async def _form(request: Request) -> dict[str, str]:
     kind = request.headers.get("content-type", "").split(";")[0].strip()
     if kind != "application/x-www-form-urlencoded":
         raise _Refused(415, "Send an application/x-www-form-urlencoded form.")
-    body = await request.body()
-    if len(body) > MAX_FORM:
-        raise _Refused(413, "The form is too large.")
+    too_large = _Refused(413, f"The form is too large (at most {MAX_FORM // 1024} KiB).")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_FORM:
+        raise too_large  # refused before a byte of it is read
+    body = bytearray()
+    async for chunk in request.stream():  # read no more than MAX_FORM, whatever it claims
+        body += chunk
+        if len(body) > MAX_FORM:
+            raise too_large
     return dict(parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True))
 
 

@@ -114,7 +114,9 @@ class Guard:
     def operator(self, cookie: str | None) -> Operator | None:
         """The person a session cookie names, if its signature holds and it has not expired."""
         body, _, signature = (cookie or "").partition(".")
-        if not body or not hmac.compare_digest(signature, self._sign("session", body)):
+        # Bytes: a cookie is the client's to write, non-ASCII included (str would raise).
+        expected = self._sign("session", body).encode()
+        if not body or not hmac.compare_digest(signature.encode(), expected):
             return None
         try:
             claims = json.loads(base64.urlsafe_b64decode(body))
