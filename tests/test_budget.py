@@ -28,7 +28,7 @@ from asiento import (
     raise_budget,
 )
 from asiento.model import Usage
-from asiento.testing import ScriptedGateway
+from asiento.testing import ScriptedGateway, StreamingScriptedGateway
 from sqlite_files import Journal
 from test_agent import RUN, TASK, asks, counting_tool, done
 
@@ -305,3 +305,45 @@ def test_a_run_killed_after_some_calls_is_not_charged_twice(tmp_path: Path) -> N
     keys = paid.read_text().splitlines()
     assert len(keys) == 3
     assert len(set(keys)) == 3  # no call paid twice
+
+
+class CuttingGateway(StreamingScriptedGateway):
+    """Streams each answer, but the first ``cut`` streams break after their first part:
+    each is a generation the provider billed and the run never received."""
+
+    def __init__(self, responses: list[Any], cut: int) -> None:
+        super().__init__(responses)
+        self.cut = cut
+
+    async def stream(self, request: Any, *, idempotency_key: str) -> Any:
+        breaking = len(self.calls) < self.cut
+        async for part in super().stream(request, idempotency_key=idempotency_key):
+            yield part
+            if breaking:
+                raise ConnectionError("the stream was cut")
+
+
+async def test_cut_streams_count_against_the_budget(journal: Journal) -> None:
+    """max_model_calls=1: one cut generation spends it; the next pass stops, not asks."""
+    budget = Budget(max_model_calls=1)
+    gw = CuttingGateway(script(), cut=4)
+    for _ in range(4):  # each pass would ask (and pay) m1 again, were cuts not counted
+        store = journal.open()
+        try:
+            session = Session(RUN, gw, store)
+            steps = [s async for s in agent(budget).run(TASK, session=session, stream=True)]
+        except ConnectionError:
+            continue
+        finally:
+            await store.close()
+        break
+    assert len(gw.calls) == 1  # billed once, as the budget allows
+    assert isinstance(steps[-1], BudgetStep)
+    assert steps[-1].spent["max_model_calls"] == 1
+    await raise_budget(journal.open(), RUN, by="ana", max_model_calls=2)
+    gw.cut = 0
+    session = Session(RUN, gw, journal.open())
+    steps = [s async for s in agent(budget).run(TASK, session=session, stream=True)]
+    assert len(gw.calls) == 2  # m1 asked again: the cut one and this one, two of two
+    assert isinstance(steps[-1], BudgetStep)
+    assert steps[-1].spent["max_model_calls"] == 2  # the answer's repaid counts too

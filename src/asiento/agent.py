@@ -502,19 +502,18 @@ class _Pass:
         if self.agent.budget is None:
             return None
         budget = budgets.in_force(self.agent.budget, self.journal)
-        limit = budgets.reached(budget, self.spent)
+        spent = self.spent.with_cut(len(self._cut_attempts(step_id)))
+        limit = budgets.reached(budget, spent)
         if limit is None:
             return budget
         stop_id = budgets.open_stop(self.journal)
         stop = BudgetStop(
-            limit=limit, spent=self.spent.as_limits(), budget=budget.limits(), before=step_id
+            limit=limit, spent=spent.as_limits(), budget=budget.limits(), before=step_id
         )
         if Phase.INTENT not in self.journal.get(stop_id, {}):
             self._record(stop_id, Phase.INTENT, stop)
         await self._flush()
-        why = (
-            f"stopped on its budget before {step_id}: {budgets.describe(limit, self.spent, budget)}"
-        )
+        why = f"stopped on its budget before {step_id}: {budgets.describe(limit, spent, budget)}"
         if not await self.store.set_status(
             self.run_id,
             RunStatus.SUSPENDED,

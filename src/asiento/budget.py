@@ -1,7 +1,9 @@
 """Budgets per run: what a run may spend on its model, and what it spent (one home).
 
 What a run spent is read from its journal (its recorded model results), so a
-replayed answer is counted once however often the run is resumed. A new model
+replayed answer is counted once however often the run is resumed. A streamed
+generation that was cut (its marker with no answer, or an answer's ``repaid``) was
+paid for too: it counts as a model call (its tokens and cost were never reported). A new model
 call is made only while the spent total is below every limit; a replayed answer
 is never blocked. The limits in force are the largest of the code's
 ``Agent(budget=...)`` and of every raise a person recorded for that limit: a
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from . import step_ids
 from .errors import UsageError
 from .events import Phase, StepEvent
-from .payloads import BudgetRaise, BudgetStop, ModelResult, is_model_result
+from .payloads import BudgetRaise, BudgetStop, ModelResult
 
 LIMITS = ("max_cost", "max_tokens", "max_model_calls")
 
@@ -82,7 +84,11 @@ class Spent:
     def add(self, result: ModelResult) -> None:
         self.cost += result.cost or 0.0
         self.tokens += result.response.usage.input_tokens + result.response.usage.output_tokens
-        self.model_calls += 1
+        self.model_calls += 1 + result.repaid  # the generations cut before it, paid too
+
+    def with_cut(self, generations: int) -> Spent:
+        """This spending and ``generations`` streamed attempts cut before any answer."""
+        return Spent(self.cost, self.tokens, self.model_calls + generations)
 
     def as_limits(self) -> dict[str, float]:
         return {
@@ -90,19 +96,6 @@ class Spent:
             "max_tokens": self.tokens,
             "max_model_calls": self.model_calls,
         }
-
-
-def spent_of(events: list[StepEvent] | tuple[StepEvent, ...]) -> Spent:
-    """What the run's journal records its model calls spent (each step once)."""
-    spent = Spent()
-    for event in events:
-        if (
-            event.phase is Phase.RESULT
-            and step_ids.is_model(event.step_id)
-            and is_model_result(event.payload)
-        ):
-            spent.add(ModelResult.from_json(event.payload))
-    return spent
 
 
 def reached(budget: Budget, spent: Spent) -> str | None:
