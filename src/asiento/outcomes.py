@@ -16,11 +16,16 @@ from ._canonical import canonical_json, unstable_part
 from .journal.base import MAX_RECORD_BYTES
 from .payloads import Outcome
 
+# Room for a result in one record, its envelope aside. A character is at most 12 bytes of
+# the journal's JSON (which escapes every non-ASCII one: ``\ud83d\ude00`` for an emoji).
+_ROOM = MAX_RECORD_BYTES - 1024
+_MAX_BYTES_PER_CHAR = 12
+
 
 def of_value(value: Any) -> Outcome:
     """The outcome of a tool that returned ``value``: ok, or why it cannot be recorded."""
-    if type(value) is str and len(value) * 6 < MAX_RECORD_BYTES - 1024:
-        try:  # the usual result, checked without serialising it (at most 6 bytes a char)
+    if type(value) is str and len(value) * _MAX_BYTES_PER_CHAR < _ROOM:
+        try:  # the usual result, checked without serialising it
             value.encode()
             return Outcome.ok(value)
         except UnicodeEncodeError:
@@ -29,14 +34,31 @@ def of_value(value: Any) -> Outcome:
         return unrecordable(unstable)
     try:
         jsonable = to_jsonable_python(value)
-        size = len(canonical_json(jsonable))
         json.dumps(jsonable, ensure_ascii=False).encode()  # lone surrogates cannot be sent
-        if size > MAX_RECORD_BYTES - 1024:
-            raise ValueError(f"{size:,} bytes, over the journal's limit of {MAX_RECORD_BYTES:,}")
     except RecursionError:
         return unrecordable("it is nested too deeply to be serialised (RecursionError)")
     except Exception as exc:
         return unrecordable(f"{type(exc).__name__}: {exc}")
+    return bounded(jsonable)
+
+
+def bounded(jsonable: Any) -> Outcome:
+    """``Outcome.ok(jsonable)``, or a recorded failure if one record cannot hold it.
+
+    Every tool source's result passes here before it is recorded (native, MCP, the
+    frameworks'): a result beyond the limit is the step's failure, told to the model,
+    never a refused append that would leave an effect that ran uncertain.
+    """
+    if type(jsonable) is str and len(jsonable) * _MAX_BYTES_PER_CHAR < _ROOM:
+        return Outcome.ok(jsonable)
+    try:
+        size = len(canonical_json(jsonable))
+    except RecursionError:
+        return unrecordable("it is nested too deeply to be serialised (RecursionError)")
+    except (TypeError, ValueError) as exc:
+        return unrecordable(f"{type(exc).__name__}: {exc}")
+    if size > _ROOM:
+        return unrecordable(f"{size:,} bytes, over the journal's limit of {MAX_RECORD_BYTES:,}")
     return Outcome.ok(jsonable)
 
 

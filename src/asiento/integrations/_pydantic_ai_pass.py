@@ -24,7 +24,7 @@ from pydantic_ai.settings import ModelSettings
 from pydantic_ai.toolsets import ToolsetTool
 from pydantic_core import to_jsonable_python
 
-from .. import context, shutdown, step_ids
+from .. import context, outcomes, shutdown, step_ids
 from .._canonical import fingerprint, idem_key, key_header, model_key
 from .._crash import crash_point
 from ..errors import ReplayDivergence, UncertainEffect, UsageError
@@ -381,10 +381,10 @@ class Pass(HeldCommits):
         """The call's value recorded as the step's result, between a native step's crash
         points; handed back to the agent."""
         crash_point("after_tool")
-        outcome = Outcome.ok(to_jsonable_python(value))
+        outcome = outcomes.bounded(to_jsonable_python(value))
         await self.append(self.event(attempt_id, Phase.RESULT, outcome.to_json()))
         crash_point("after_result")
-        return value
+        return value if outcome.status == "ok" else _fed(outcome)  # as a replay hands back
 
     async def _keep_retry(self, attempt_id: str, exc: ModelRetry) -> None:
         await self.append(self.event(attempt_id, Phase.RESULT, _retry(exc).to_json()))

@@ -40,7 +40,7 @@ from agents.retry import ModelRetryAdvice, ModelRetryAdviceRequest
 from agents.tool import FunctionTool
 from agents.tool_context import ToolContext
 
-from .. import step_ids
+from .. import outcomes, step_ids
 from .._canonical import fingerprint, key_header, model_key
 from .._crash import crash_point
 from ..errors import AsientoError, ReplayDivergence, UncertainEffect, UsageError
@@ -649,7 +649,7 @@ async def _outcome_of(invoke: Any) -> Outcome:
         value = await invoke
     except Exception as exc:
         return Outcome.failed(f"{type(exc).__name__}: {exc}")
-    return Outcome.ok(wire.jsonable(value))
+    return outcomes.bounded(wire.jsonable(value))
 
 
 def _value(outcome: Outcome) -> Any:
