@@ -67,8 +67,21 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
             f.write(order + "\n")
         return f"refunded {order}"
 
+    if args.slow_lookup is not None:
+
+        @agent.tool_plain
+        async def lookup(order: str) -> str:
+            """Look an order up (idempotent, slow): it notes when it starts and ends."""
+            with Path(args.effects + ".lookup").open("a") as f:
+                f.write(f"start {order}\n")
+            await asyncio.sleep(args.slow_lookup)
+            with Path(args.effects + ".lookup").open("a") as f:
+                f.write(f"done {order}\n")
+            return f"{order} is paid"
+
     store = SqliteCheckpointer(args.db)
     idempotent = ["refund"] if args.idempotent else []
+    idempotent += ["lookup"] if args.slow_lookup is not None else []
     try:
         result = await durable_run(
             agent,
@@ -137,6 +150,7 @@ def main() -> None:
     parser.add_argument("--prefix", help="the MCP toolset prefixed (a wrapper around it)")
     parser.add_argument("--retry-once", action="store_true", help="refund raises ModelRetry once")
     parser.add_argument("--anthropic", action="store_true", help="AnthropicModel, not OpenAI")
+    parser.add_argument("--slow-lookup", type=float, help="an idempotent lookup tool, this slow")
     outcome = asyncio.run(_pass(parser.parse_args()))
     sys.stdout.write(json.dumps(outcome) + "\n")
 

@@ -258,6 +258,36 @@ def test_parallel_tool_calls_killed_mid_way_keep_their_ids_and_run_once(tmp_path
     assert asyncio.run(_intent(tmp_path / "runs.db", "m1.t2")) == {"order": "B2"}
 
 
+def test_an_uncertain_call_lets_its_running_sibling_finish_and_record(tmp_path: Path) -> None:
+    """Resumed, the refund is uncertain while its sibling (a slow lookup) runs: the pass
+    stops only once the lookup has ended and its result is recorded, never cutting it
+    mid-way (a payment cut there would be one more uncertain step)."""
+    script = (
+        Answer(calls=(("refund", {"order": "A1"}), ("lookup", {"order": "B2"}))),
+        Answer(text="done"),
+    )
+    extra = ("--prompt", "refund A1, look up B2", "--slow-lookup", "0.5")
+    with FakeProvider(script) as provider:
+        url = provider.openai_url
+        assert run_pass(tmp_path, url, *extra, crash_at="after_tool") is None  # the refund's
+        assert effects(tmp_path) == ["A1"]
+        resumed = run_pass(tmp_path, url, *extra)
+        assert resumed == {"ended": "uncertain", "step": "m1.t1"}
+    lookups = (tmp_path / "effects.log.lookup").read_text().splitlines()
+    assert lookups == ["start B2", "start B2", "done B2"]  # pass 1's was cut by the kill
+    store_events = asyncio.run(_phases(tmp_path / "runs.db", "m1.t2"))
+    assert "result" in store_events  # recorded before the pass stopped
+    assert effects(tmp_path) == ["A1"]
+
+
+async def _phases(db: Path, step_id: str) -> list[str]:
+    store = SqliteCheckpointer(db)
+    try:
+        return [e.phase.value for e in await store.load(RUN) if e.step_id.startswith(step_id)]
+    finally:
+        await store.close()
+
+
 async def _intent(db: Path, step_id: str) -> dict[str, Any]:
     store = SqliteCheckpointer(db)
     try:

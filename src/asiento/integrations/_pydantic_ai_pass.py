@@ -8,6 +8,7 @@ Pydantic AI's deferred approvals are asiento approvals.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import logging
@@ -71,6 +72,7 @@ class Pass(HeldCommits):
         self.turns = 0  # model requests made or replayed so far: the next is m{turns + 1}
         self.tool_steps: dict[str, str] = {}  # tool call id -> its step id
         self.tool_args: dict[str, dict[str, Any]] = {}  # tool call id -> the model's arguments
+        self.running: dict[str, asyncio.Event] = {}  # tool steps submitting or executing now
 
     def boundary(self, step_id: str) -> None:
         """Before a step: stop here if a shutdown was requested (a held model answer is
@@ -168,6 +170,23 @@ class Pass(HeldCommits):
         run: Callable[[], Awaitable[Any]],
         tool: ToolsetTool[Any] | None = None,
     ) -> Any:
+        """One tool call as a journaled step. A stop (uncertain, a shutdown) waits for the
+        sibling calls of the same answer already under way: Pydantic AI cancels them when
+        this one raises, and one cut between its submission and its result would be one
+        more uncertain step (a payment cut mid-way)."""
+        try:
+            return await self._tool_step(name, call_id, run, tool)
+        except (UncertainEffect, shutdown.ShutdownRequested):
+            await asyncio.gather(*(done.wait() for done in list(self.running.values())))
+            raise
+
+    async def _tool_step(
+        self,
+        name: str,
+        call_id: str | None,
+        run: Callable[[], Awaitable[Any]],
+        tool: ToolsetTool[Any] | None,
+    ) -> Any:
         step_id = self.tool_steps.get(call_id or "")
         if step_id is None:
             raise UsageError(
@@ -210,7 +229,7 @@ class Pass(HeldCommits):
                 waits_for=(state.current_id, Phase.RESOLUTION),
             ):  # a person resolved it after this pass read the journal: read it again
                 self.journal = index(await self.store.load(self.run_id))
-                return await self.tool_step(name, call_id, run, tool)
+                return await self._tool_step(name, call_id, run, tool)
             raise UncertainEffect(self.run_id, state.current_id, name, settled)
         if action is Action.AWAIT_APPROVAL:  # never written by this integration
             raise UsageError(
@@ -227,11 +246,16 @@ class Pass(HeldCommits):
         starting = action is Action.START
         if starting:
             crash_point("before_intent")
-        await self.append(*events)
-        if starting:
-            crash_point("after_intent")
-        crash_point("after_submitted")
-        return await self._execute(step_id, attempt_id, name, _keyed(key, run))
+        done = self.running[step_id] = asyncio.Event()
+        try:
+            await self.append(*events)
+            if starting:
+                crash_point("after_intent")
+            crash_point("after_submitted")
+            return await self._execute(step_id, attempt_id, name, _keyed(key, run))
+        finally:
+            done.set()
+            del self.running[step_id]
 
     def _intent(self, name: str, call_id: str, keyed_step: str | None = None) -> Intent:
         """The call frozen as the recorded answer asked for it: what a person approves.
