@@ -31,7 +31,10 @@
     │   ├── ToolUnavailable     a tool's destination cannot be reached and nothing was sent:
     │   │   │                   recorded as not happened, the step runs on resume
     │   │   └── McpServerUnavailable  an MCP server cannot be reached or started (mcp)
-    │   ├── McpCallLost         an MCP server went away with a call in flight: the step is
+    │   ├── ToolAnswerLost      a tool's call may have reached its destination and its answer
+    │   │   │                   was lost or unreadable (an MCP result that is not MCP, an HTTP
+    │   │   │                   effect's failure): the step is settled on resume by the table
+    │   │   └── McpCallLost     an MCP server went away with a call in flight: the step is
     │   │                       settled on resume (re-run, same key, or UncertainEffect) (mcp)
     │   ├── ShutdownRequested   a shutdown was asked for: the run stopped between steps (shutdown)
     │   └── ModelCallFailed     the model could not be asked or answered badly (gateways)
@@ -258,7 +261,20 @@ class McpServerUnavailable(ToolUnavailable):
     """
 
 
-class McpCallLost(RunError):
+class ToolAnswerLost(RunError):
+    """A tool's call may have reached its destination, and its answer is lost or unreadable.
+
+    An MCP server that answered with a result no MCP client can read, an HTTP effect
+    whose publish failed after the request left: the effect may have happened, so
+    nothing is recorded as its outcome. The message names the source and the tool, and
+    the library's own exception is the ``__cause__``. The step stays submitted, and the
+    resumed run settles it by the replay table: an idempotent tool runs again, a
+    key-honouring destination is asked again under the same key, an effect with a
+    lookup looks, any other is an ``UncertainEffect`` for a person to resolve.
+    """
+
+
+class McpCallLost(ToolAnswerLost):
     """An MCP server went away (or stopped answering) with a call in flight.
 
     Nobody knows yet whether the call happened: the step stays submitted, and the

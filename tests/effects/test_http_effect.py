@@ -30,6 +30,7 @@ from asiento import (
     SqliteCheckpointer,
     StepEvent,
     Tool,
+    ToolAnswerLost,
     ToolCall,
     ToolStep,
 )
@@ -149,7 +150,7 @@ async def test_lost_answer_without_keys_is_not_published_twice(
     """A destination that ignores keys, answer lost after it applied: still one invoice."""
     effect = invoice_effect(keyless.invoices_url, keys=False, ttl=None, lookup=True)
     keyless.drop_next(1, applied=True)
-    with contextlib.suppress(httpx.TransportError):  # or a lookup before retrying: both fine
+    with contextlib.suppress(ToolAnswerLost):  # or a lookup before retrying: both fine
         await drive(effect.as_tool(), tmp_path / "runs.db")
     assert len(keyless.invoices) <= 1, "a blind retry to a key-ignoring destination duplicated"
     steps = await drive(effect.as_tool(), tmp_path / "runs.db")
@@ -164,8 +165,9 @@ async def test_keyless_effect_with_one_attempt_leaves_it_to_the_lookup(
     cls = type(invoice_effect(keyless.invoices_url, keys=False, ttl=None, lookup=True))
     effect = type("OneShot", (cls,), {"max_attempts": 1})(keyless.invoices_url)
     keyless.drop_next(1, applied=True)
-    with pytest.raises(httpx.RemoteProtocolError):
+    with pytest.raises(ToolAnswerLost, match=r"effect .*may have happened") as lost:
         await drive(effect.as_tool(), tmp_path / "runs.db")
+    assert isinstance(lost.value.__cause__, httpx.RemoteProtocolError)
     steps = await drive(effect.as_tool(), tmp_path / "runs.db")
     assert isinstance(steps[-1], FinalStep)
     assert (keyless.posts, len(keyless.invoices)) == (1, 1)
@@ -184,8 +186,9 @@ async def test_payload_is_frozen_not_regenerated(tmp_path: Path, server: Invoice
 
     effect = StampedInvoice(server.invoices_url)
     server.fail_next(effect.max_attempts)
-    with pytest.raises(httpx.HTTPStatusError):
+    with pytest.raises(ToolAnswerLost, match=r"effect .*may have happened") as lost:
         await drive(effect.as_tool(), tmp_path / "runs.db")
+    assert isinstance(lost.value.__cause__, httpx.HTTPStatusError)
     steps = await drive(StampedInvoice(server.invoices_url).as_tool(), tmp_path / "runs.db")
     assert isinstance(steps[-1], FinalStep)
     assert next(serial) == 1, "prepare ran once, for the first pass only"
@@ -239,8 +242,9 @@ async def test_exhausted_retries_leave_the_step_submitted(
     """Every attempt got 503: the error leaves run(), and the resume republishes once."""
     effect = with_keys(server)
     server.fail_next(effect.max_attempts)
-    with pytest.raises(httpx.HTTPStatusError):
+    with pytest.raises(ToolAnswerLost, match=r"effect .*may have happened") as lost:
         await drive(effect.as_tool(), tmp_path / "runs.db")
+    assert isinstance(lost.value.__cause__, httpx.HTTPStatusError)
     assert server.invoices == []
     steps = await drive(effect.as_tool(), tmp_path / "runs.db")
     assert isinstance(steps[-1], FinalStep)
@@ -447,3 +451,21 @@ async def test_422_naming_the_idempotency_key_is_a_conflict(tmp_path: Path) -> N
         effect = invoice_effect(url, keys=True, ttl=60, lookup=False)
         with pytest.raises(IdempotencyKeyConflict, match="other parameters"):
             await drive(effect.as_tool(), tmp_path / "runs.db")
+
+
+async def test_a_success_that_is_not_json_is_an_asiento_error_naming_the_effect(
+    tmp_path: Path, server: InvoiceServer
+) -> None:
+    """The invoice was created and the answer is not JSON: ToolAnswerLost names the effect
+    and its URL (the JSON error is its cause); the step stays submitted and the resume
+    republishes under the same key: one invoice."""
+    effect = with_keys(server)
+    server.garble_next(1)
+    with pytest.raises(ToolAnswerLost, match=r"effect 'publish_invoice' \(POST http") as lost:
+        await drive(effect.as_tool(), tmp_path / "runs.db")
+    assert isinstance(lost.value.__cause__, ValueError)
+    assert len(server.invoices) == 1
+    steps = await drive(effect.as_tool(), tmp_path / "runs.db")
+    assert isinstance(steps[-1], FinalStep)
+    assert len(server.invoices) == 1
+    assert effect_result(await journal(tmp_path / "runs.db"))["via"] == "republish"

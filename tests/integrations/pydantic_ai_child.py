@@ -28,7 +28,7 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
 
     from asiento import ReplayDivergence, SqliteCheckpointer, UncertainEffect, UsageError
     from asiento.effects.base import IdempotencyKeyConflict
-    from asiento.errors import McpCallLost
+    from asiento.errors import McpCallLost, ToolAnswerLost
     from asiento.integrations.pydantic_ai import durable_run
 
     model: Any
@@ -97,7 +97,7 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
         return {"ended": "uncertain", "step": exc.step_id, **why}
     except ReplayDivergence as exc:
         return {"ended": "divergence", "step": exc.step_id}
-    except (IdempotencyKeyConflict, McpCallLost, UsageError) as exc:
+    except (IdempotencyKeyConflict, McpCallLost, ToolAnswerLost, UsageError) as exc:
         return {"ended": type(exc).__name__, "why": str(exc)}
     finally:
         await store.close()

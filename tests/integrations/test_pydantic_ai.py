@@ -467,6 +467,66 @@ def test_an_mcp_tool_killed_before_its_result_follows_the_mcp_table(
     assert sent == [idem_key(RUN, "m1.t1", {"city": "Paris"})] * runs
 
 
+def test_an_mcp_result_that_is_not_mcp_is_an_asiento_error_and_the_step_stays_submitted(
+    tmp_path: Path,
+) -> None:
+    """The server applies the call, then answers a result no client can read: Pydantic AI
+    would hand the model its ValidationError as if the arguments were wrong and go on,
+    the step left submitted under a closed run. The pass stops with ToolAnswerLost naming
+    the toolset and the tool; the resume follows the replay table (untrusted: uncertain)."""
+    options = ("--mcp", str(MCP_SERVER), "--prompt", "weather in Paris")
+    hostile = {"MCP_MALFORMED": "lookup"}
+    with FakeProvider(LOOKUP) as provider:
+        first = run_pass(tmp_path, provider.openai_url, *options, env=hostile)
+        assert first is not None
+        assert first["ended"] == "ToolAnswerLost"
+        assert "MCP toolset 'notes'" in first["why"]
+        assert "tool 'lookup'" in first["why"]
+        assert "validation error" in first["why"]
+        resumed = run_pass(tmp_path, provider.openai_url, *options, env=hostile)
+        assert resumed == {"ended": "uncertain", "step": "m1.t1"}
+        assert provider.billed() == 1  # the model was never told anything
+    assert lookups(tmp_path) == 1
+
+
+async def test_a_validation_error_of_a_tool_is_a_recorded_retry(tmp_path: Path) -> None:
+    """A function tool whose own code raises pydantic's ValidationError: Pydantic AI tells
+    the model to retry; the step records that retry (it was left without an outcome),
+    so the run that closed has every step settled."""
+    import openai
+    import pydantic
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from asiento.integrations.pydantic_ai import durable_run
+
+    class Order(pydantic.BaseModel):
+        amount: int
+
+    script = (Answer(calls=(("check", {"raw": "lots"}),)), Answer(text="told"))
+    with FakeProvider(script) as provider:
+        async with openai.AsyncOpenAI(base_url=provider.openai_url, api_key="sk") as client:
+            model = OpenAIChatModel("gpt-test", provider=OpenAIProvider(openai_client=client))
+            agent = Agent(model)
+
+            @agent.tool_plain
+            def check(raw: str) -> int:
+                """Check an order."""
+                return Order.model_validate({"amount": raw}).amount
+
+            store = SqliteCheckpointer(tmp_path / "runs.db")
+            try:
+                done = await durable_run(agent, "check", run_id=RUN, store=store)
+                events = await store.load(RUN)
+            finally:
+                await store.close()
+    assert done.output == "told"
+    [result] = [e for e in events if e.step_id == "m1.t1" and e.phase is Phase.RESULT]
+    assert result.payload["status"] == "error"
+    assert "validation error" in result.payload["error"]
+
+
 # -- MCP toolsets whose servers deduplicate by the key: reconcile, not UncertainEffect ----
 
 TRANSFER = (Answer(calls=(("bank_transfer", {"amount": 5}),)), Answer(text="moved it"))

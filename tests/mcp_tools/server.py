@@ -12,7 +12,8 @@ deduplicates by the asiento key in the call's ``_meta`` with
 the first result, ``in-progress`` while the first call still runs, ``unknown`` when it
 never finished. With ``MCP_SEEN`` set, every ``tools/call`` the server answers
 appends ``tool key outcome`` to that file (``-``: no ``asiento/outcome``).
-``MCP_VARIANT=drift`` serves ``lookup`` with one more parameter.
+``MCP_VARIANT=drift`` serves ``lookup`` with one more parameter. ``MCP_MALFORMED=tool``
+answers that tool's calls, once applied, with a result that is not valid MCP.
 """
 
 from __future__ import annotations
@@ -50,7 +51,20 @@ async def _seen(ctx: Any, call_next: Any) -> Any:
     return result
 
 
-app = MCPServer("notes", middleware=[_seen, keys])
+# What a hostile server answers to a ``tools/call`` of ``MCP_MALFORMED`` once it applied it:
+# a result no MCP client can read (``content`` must be a list of content blocks).
+MALFORMED = {"content": [{"type": "text"}], "isError": "perhaps"}
+
+
+async def _malformed(ctx: Any, call_next: Any) -> Any:
+    result = await call_next(ctx)
+    target = os.environ.get("MCP_MALFORMED")
+    if target and ctx.method == "tools/call" and (ctx.params or {}).get("name") == target:
+        return MALFORMED
+    return result
+
+
+app = MCPServer("notes", middleware=[_malformed, _seen, keys])
 
 
 def _key(ctx: Context) -> str:

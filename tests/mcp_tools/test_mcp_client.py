@@ -317,3 +317,31 @@ async def test_a_key_the_server_saw_with_other_arguments_is_a_conflict(rig: Rig)
         with pytest.raises(IdempotencyKeyConflict, match="other arguments"):
             await transfer.runner.execute(transfer, other, None, via="publish", attempts=1)
     assert len(rig.ledger()) == 1
+
+
+async def test_a_result_that_is_not_mcp_is_an_asiento_error_and_the_step_stays_submitted(
+    rig: Rig,
+) -> None:
+    """A hostile server applies the call, then answers a result no client can read: the
+    pass raises ToolAnswerLost naming server and tool (not pydantic's ValidationError),
+    nothing is recorded as the outcome, and the resume follows the replay table: the
+    note, not idempotent, is uncertain; it was sent once."""
+    from asiento import ToolAnswerLost, UncertainEffect
+
+    env = {k: v for k, v in rig.env().items() if k.startswith("MCP_") or k == "PYTHONPATH"}
+    env["MCP_MALFORMED"] = "send_note"
+    hostile = McpServer("notes", command=[sys.executable, str(SERVER), "stdio"], env=env)
+    call = [ToolCall(name="send_note", arguments={"text": "hi"})]
+    async with hostile as server:
+        agent = Agent(tools=await server.tools())
+        with pytest.raises(ToolAnswerLost) as lost:
+            await _drive(agent, call, rig.db)
+        assert "MCP server 'notes'" in str(lost.value)
+        assert "tool 'send_note'" in str(lost.value)
+        assert "validation error" in str(lost.value)
+        assert isinstance(lost.value.__cause__, ValueError)  # pydantic's, kept as the cause
+        phases = [e.phase for e in await _events(rig.db) if e.step_id.startswith("m1.t1")]
+        assert phases == [Phase.INTENT, Phase.SUBMITTED]
+        with pytest.raises(UncertainEffect):
+            await _drive(agent, call, rig.db)
+    assert len(rig.ledger()) == 1

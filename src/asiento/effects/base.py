@@ -19,7 +19,8 @@ from typing import Any, ClassVar
 from .. import outcomes
 from .._canonical import canonical_json, fingerprint, idem_key
 from .._crash import crash_point
-from ..errors import AsientoError, RunError, UsageError
+from .._described import described
+from ..errors import AsientoError, RunError, ToolAnswerLost, UsageError
 from ..payloads import Intent, Outcome
 from ..tools import Again, Found, PrepareFailed, Reconciled, Tool, Unknown, tool
 
@@ -131,12 +132,18 @@ class EffectRunner:
     ) -> Outcome:
         """Publish the frozen payload under the frozen key. Only a refusal is an outcome:
 
-        any other exception leaves the step submitted, to be reconciled on resume.
+        any other failure leaves the step submitted, to be reconciled on resume, and
+        stops the pass with ``ToolAnswerLost`` naming the effect (the library's own
+        exception, an ``httpx`` error or a body that is not JSON, is its cause).
         """
         try:
             published = await self.effect.publish(intent.prepared, str(intent.idem_key))
         except EffectRejected as exc:
             return Outcome.failed(f"refused: {exc}", attempts=attempts)
+        except AsientoError:
+            raise
+        except Exception as exc:
+            raise ToolAnswerLost(self._lost_why(tool, exc)) from exc
         crash_point("after_publish")
         if not isinstance(published, Published):
             raise UsageError(
@@ -163,6 +170,15 @@ class EffectRunner:
             if found is not None:
                 return Found(_recorded(found, "lookup", attempts))
         return Again(how.value)
+
+    def _lost_why(self, tool: Tool, exc: Exception) -> str:
+        url = getattr(self.effect, "url", None)
+        where = f" ({getattr(self.effect, 'method', 'POST')} {url})" if isinstance(url, str) else ""
+        return (
+            f"effect {tool.name!r}{where}: its publish failed ({described(exc)}) and it may "
+            "have happened: the step stays submitted and is settled when the run is resumed "
+            "(under the same key, by its lookup, or by a person)"
+        )
 
     def _why_uncertain(self, age: float | None) -> str:
         effect = self.effect

@@ -23,12 +23,13 @@ from pydantic_ai.messages import ModelResponse as FrameworkResponse
 from pydantic_ai.models import ModelRequestParameters
 from pydantic_ai.settings import ModelSettings
 from pydantic_ai.toolsets import ToolsetTool
-from pydantic_core import to_jsonable_python
+from pydantic_core import ValidationError, to_jsonable_python
 
 from .. import context, outcomes, shutdown, step_ids
 from .._canonical import fingerprint, idem_key, key_header, model_key
 from .._crash import crash_point
-from ..errors import ReplayDivergence, UncertainEffect, UsageError
+from .._described import described
+from ..errors import ReplayDivergence, ToolAnswerLost, UncertainEffect, UsageError
 from ..events import Decision, Lease, Phase, RunStatus, StepEvent
 from ..payloads import SUBMITTED, Approval, Final, Intent, ModelResult, Outcome, Resolution
 from ..replay import Action, Indexed, decide, index, step_state, tool_drift
@@ -252,7 +253,7 @@ class Pass(HeldCommits):
             if starting:
                 crash_point("after_intent")
             crash_point("after_submitted")
-            return await self._execute(step_id, attempt_id, name, _keyed(key, run))
+            return await self._execute(step_id, attempt_id, name, _keyed(key, run), mcp)
         finally:
             done.set()
             del self.running[step_id]
@@ -372,13 +373,28 @@ class Pass(HeldCommits):
         return None, tuple(awaiting)
 
     async def _execute(
-        self, step_id: str, attempt_id: str, name: str, run: Callable[[], Awaitable[Any]]
+        self,
+        step_id: str,
+        attempt_id: str,
+        name: str,
+        run: Callable[[], Awaitable[Any]],
+        mcp: Any = None,
     ) -> Any:
         try:
             with self._in_step(step_id, attempt_id, name):
                 value = await run()
         except ModelRetry as exc:  # the tool knows it did nothing: the model is asked again
             await self._keep_retry(attempt_id, exc)
+            raise
+        except Exception as exc:
+            if mcp is not None and not isinstance(exc, ApprovalRequired | CallDeferred):
+                # The server's answer could not be read (Pydantic AI would tell the model
+                # a ValidationError was its arguments' fault): it may have been applied.
+                raise ToolAnswerLost(_unreadable(mcp, name, exc)) from exc
+            if isinstance(exc, ValidationError):  # the tool's own: as Pydantic AI tells it,
+                retry = ModelRetry(str(exc))  # a retry, recorded, so a replay tells the same
+                await self._keep_retry(attempt_id, retry)
+                raise retry from exc
             raise
         except (ApprovalRequired, CallDeferred) as exc:
             unsent = Resolution(
@@ -422,6 +438,14 @@ class Pass(HeldCommits):
 
 
 _RETRY_PREFIX = "model_retry: "
+
+
+def _unreadable(mcp: Any, name: str, exc: Exception) -> str:
+    return (
+        f"MCP toolset {mcp.id!r}: the call of tool {name!r} failed after it was sent "
+        f"({described(exc)}); its server may have applied it: the step stays submitted "
+        "and is settled when the run is resumed"
+    )
 
 
 def _frozen_key(run_id: str, step_id: str, records: Mapping[Phase, StepEvent]) -> str | None:

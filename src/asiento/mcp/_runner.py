@@ -24,8 +24,9 @@ from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT, CallToolResult
 
 from .. import outcomes
 from .._canonical import idem_key
+from .._described import described
 from ..effects.base import IdempotencyKeyConflict, Reconcile, distrust_key, reconcile
-from ..errors import McpCallLost, UsageError
+from ..errors import AsientoError, McpCallLost, ToolAnswerLost, UsageError
 from ..payloads import Intent, Outcome
 from ..tools import Found, Reconciled, Tool, Unknown
 from ._connection import LinkGone
@@ -109,6 +110,10 @@ class McpRunner:
                 if exc.code in (CONNECTION_CLOSED, REQUEST_TIMEOUT):
                     raise McpCallLost(_lost_why(tool, str(exc))) from None
                 return Outcome.failed(f"the MCP server refused the call ({exc.code}): {exc}")
+            except AsientoError:
+                raise
+            except Exception as exc:  # the client could not read the answer: a hostile server
+                raise ToolAnswerLost(_unreadable_why(tool, exc)) from exc
             return result
 
         wait = self.server.in_progress_wait
@@ -196,6 +201,14 @@ def _lost_why(tool: McpTool, detail: str) -> str:
     return (
         f"MCP server {tool.server!r} went away with a call of tool {tool.remote_name!r} in "
         f"flight ({detail}); whether it happened is settled when the run is resumed"
+    )
+
+
+def _unreadable_why(tool: McpTool, exc: Exception) -> str:
+    return (
+        f"MCP server {tool.server!r} answered a call of tool {tool.remote_name!r} with a "
+        f"result its client cannot read ({described(exc)}); the server may have applied it: "
+        "the step stays submitted and is settled when the run is resumed"
     )
 
 

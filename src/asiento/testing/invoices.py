@@ -42,6 +42,17 @@ __all__ = ["InvoiceServer"]
 
 _DROP = "drop"
 _DROP_APPLIED = "drop_applied"
+_GARBLE = "garble"  # applied, then a 200 whose body is not JSON
+
+
+@dataclass(frozen=True, slots=True)
+class _Raw:
+    """A body sent as these bytes, not as JSON."""
+
+    raw: bytes
+
+
+_NOT_JSON = _Raw(b"<html>502 Bad Gateway</html>")
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +188,10 @@ class InvoiceServer:
         """
         self._add_faults(n, _DROP_APPLIED if applied else _DROP)
 
+    def garble_next(self, n: int = 1) -> None:
+        """Handle the next ``n`` requests, then answer 200 with a body that is not JSON."""
+        self._add_faults(n, _GARBLE)
+
     def expire_keys(self) -> None:
         """Forget every idempotency key now, as if ``key_ttl`` had passed."""
         with self._lock:
@@ -203,6 +218,8 @@ class InvoiceServer:
             if fault == _DROP:
                 return None
             answer = self._route(method, target, key, body)
+            if fault == _GARBLE:
+                return _Answer(answer.status, _NOT_JSON, answer.headers)
             return None if fault == _DROP_APPLIED else answer
 
     def _route(self, method: str, target: str, key: str | None, body: bytes) -> _Answer:
@@ -332,7 +349,9 @@ class _Handler(BaseHTTPRequestHandler):
         if answer is None:
             self.close_connection = True
             return
-        data = json.dumps(answer.body).encode()
+        data = (
+            answer.body.raw if isinstance(answer.body, _Raw) else json.dumps(answer.body).encode()
+        )
         self.send_response(answer.status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
