@@ -29,7 +29,13 @@ from .. import context, outcomes, shutdown, step_ids
 from .._canonical import fingerprint, idem_key, key_header, model_key
 from .._crash import crash_point
 from .._described import described
-from ..errors import ReplayDivergence, ToolAnswerLost, UncertainEffect, UsageError
+from ..errors import (
+    AsientoError,
+    ReplayDivergence,
+    ToolAnswerLost,
+    UncertainEffect,
+    UsageError,
+)
 from ..events import Decision, Lease, Phase, RunStatus, StepEvent
 from ..payloads import SUBMITTED, Approval, Final, Intent, ModelResult, Outcome, Resolution
 from ..replay import Action, Indexed, decide, index, step_state, tool_drift
@@ -387,7 +393,8 @@ class Pass(HeldCommits):
             await self._keep_retry(attempt_id, exc)
             raise
         except Exception as exc:
-            if mcp is not None and not isinstance(exc, ApprovalRequired | CallDeferred):
+            ours = isinstance(exc, AsientoError | ApprovalRequired | CallDeferred)
+            if mcp is not None and not ours:
                 # The server's answer could not be read (Pydantic AI would tell the model
                 # a ValidationError was its arguments' fault): it may have been applied.
                 raise ToolAnswerLost(_unreadable(mcp, name, exc)) from exc
