@@ -174,7 +174,8 @@ class FakeProvider:
             self._knobs.cuts.append(before_event)
 
     def garble_next(self, body: bytes, n: int = 1) -> None:
-        """Bill the next ``n`` generations but answer 200 with ``body`` instead."""
+        """Bill the next ``n`` generations but answer 200 with ``body`` instead (a stream's
+        whole body, events and all, when a stream was asked for)."""
         with self._lock:
             self._knobs.garbage.extend([body] * n)
 
@@ -228,6 +229,8 @@ class FakeProvider:
             len(raw) // 4, 5 + 10 * len(answer.calls) + len(answer.text) // 4, *self.cache
         )
         out, id_header = render(n, body.get("model", ""), answer, usage)
+        if body.get("stream") is True and garbage is not None:  # a whole stream, ill-formed
+            return 200, {id_header: f"req_{n}", "content-type": "text/event-stream"}, garbage
         if body.get("stream") is True:
             events = _STREAMS[render](out)
             return (

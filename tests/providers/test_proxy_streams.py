@@ -204,3 +204,28 @@ async def test_the_claim_of_a_stream_is_renewed_while_upstream_streams(
     assert provider.billed("k-long") == 1
     assert rival_headers["idempotent-replayed"] == "true"
     assert rival_events[-1]["usage"] == first[-1].model_dump()["usage"]
+
+
+_CHUNK = b'data: {"id":"c1","object":"chat.completion.chunk","model":"gpt-test","choices":'
+ILL_FORMED = {
+    "no finish reason": _CHUNK + b'[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n',
+    "an event that is not JSON": _CHUNK + b'[{"index":0,"delta":{"content":"hi"},'
+    b'"finish_reason":"stop"}]}\n\ndata: {"choices": [\n\ndata: [DONE]\n\n',
+    "the end marker inside the text": _CHUNK + b'[{"index":0,"delta":{"content":"a\\n\\n'
+    b'data: [DONE]\\n\\n"}}]}\n\ndata: [DONE]\n\n',
+}
+
+
+@pytest.mark.parametrize("body", list(ILL_FORMED.values()), ids=list(ILL_FORMED))
+async def test_a_stream_the_gateways_would_refuse_is_not_kept(
+    proxy: AsgiServer, provider: FakeProvider, tmp_path: Path, body: bytes
+) -> None:
+    """Upstream ends with [DONE] but no gateway could record the answer: the key is
+    released, not kept for its lifetime, and the retry asks upstream again."""
+    provider.garble_next(body)
+    async with open_stream(proxy, "chat", "k-ill") as response:
+        await response.read()
+    await until(lambda: keys_kept(tmp_path / "keys.db") == [])
+    _, again = await events(proxy, "chat", "k-ill")
+    assert again[-1]["usage"] is not None
+    assert provider.billed("k-ill") == 2

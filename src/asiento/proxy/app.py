@@ -417,12 +417,12 @@ class IdempotencyProxy:
             whole = live.whole()
             if status == 429:
                 reservation.refund()
-            if plain is None and whole is not None:
-                answer = Stored(status, headers, whole)
+            path = request.url.path
+            assembled = None if whole is None else plain_from_stream(path, whole)
+            if plain is None and assembled is not None and _acceptable(path, assembled):
+                answer = Stored(status, headers, whole or b"")
                 if self.quota.tokens_per_minute is not None:  # else usage settles nothing
-                    assembled = plain_from_stream(request.url.path, whole)
-                    if assembled is not None:
-                        _settle(reservation, request.url.path, Stored(status, {}, assembled))
+                    _settle(reservation, path, Stored(status, {}, assembled))
                 await asyncio.to_thread(self.store.finish, scope, key, token, answer)
                 kept = True
                 self.stats.streams_recorded += 1
@@ -705,9 +705,14 @@ def _recordable(path: str, answer: Stored) -> bool:
     if not 200 <= answer.status < 300:
         return False
     if "text/event-stream" in answer.headers.get("content-type", ""):
-        return True
+        return True  # judged as it was read (``_record``), assembled
+    return _acceptable(path, answer.body)
+
+
+def _acceptable(path: str, body: bytes) -> bool:
+    """Whether a gateway would record this answer (a stream's, as its gateway assembles it)."""
     try:
-        read_answer(PARSERS[path], answer.body, provider="upstream", key="proxy", request_id=None)
+        read_answer(PARSERS[path], body, provider="upstream", key="proxy", request_id=None)
     except ModelResponseInvalid:
         return False
     return True
