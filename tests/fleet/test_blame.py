@@ -29,23 +29,33 @@ from .conftest import Fleet, settle, submit_runs
 # answer for the healthy runs (the poison's answers at once: it kills within a moment of
 # each claim, while its neighbours wait on their model).
 OPTIONS = ("--ttl", "1", "--max-attempts", "3", "--concurrency", "8", "--model-delay", "0.5")
+# The OOM killer ends a worker only once its tool has filled the cgroup, which takes a
+# while on a loaded machine: the neighbours' model waits longer there, so that they are
+# still waiting on it (not inside their non-idempotent tool, which would rightly be
+# uncertain) when the kernel kills the worker.
+OOM_OPTIONS = (*OPTIONS[:-1], "3")
 DEATHS = 3
 
 
 async def poison_beside_neighbours(
-    store: Checkpointer, fleet: Fleet, *, agent: str = "crash", workers: int = 1
+    store: Checkpointer,
+    fleet: Fleet,
+    *,
+    agent: str = "crash",
+    workers: int = 1,
+    options: tuple[str, ...] = OPTIONS,
 ) -> None:
     """The poison run is parked after 3 deaths, naming its tool; its 6 neighbours close."""
     await submit(store, "poison", "poison", agent=agent)
     healthy = await submit_runs(store, 6, "send")
-    fleet.start(workers, *OPTIONS)
+    fleet.start(workers, *options)
 
     def supervise() -> None:
         for code in fleet.reap():
             assert code == -signal.SIGKILL, fleet.stderr()
-            fleet.start(1, *OPTIONS)
+            fleet.start(1, *options)
 
-    runs = await settle(store, 90, tick=supervise)
+    runs = await settle(store, 120, tick=supervise)
     by_id = {r.run_id: r for r in runs}
     assert {by_id[r].status for r in healthy} == {RunStatus.CLOSED}, by_id
     assert fleet.ledger() == Counter(dict.fromkeys(healthy, 1))
@@ -110,7 +120,7 @@ async def test_run_that_ooms_its_worker_is_parked_and_its_neighbours_close(
     fleet = fleet_factory(str(sqlite_path))
     fleet.confine = lambda worker: group.add(worker.pid)
     try:
-        await poison_beside_neighbours(sqlite_store, fleet, agent="hog")
+        await poison_beside_neighbours(sqlite_store, fleet, agent="hog", options=OOM_OPTIONS)
     finally:
         fleet.close()
         group.remove()
