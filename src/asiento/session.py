@@ -18,6 +18,7 @@ from .ledger import PriceTable
 from .model import Gateway
 from .shutdown import ShutdownRequested
 from .shutdown import requested as shutdown_requested
+from .telemetry import metrics
 from .tools import check_timeout
 
 log = logging.getLogger("asiento")
@@ -156,11 +157,17 @@ class Session:
                 await asyncio.sleep(min(0.2, left))
 
     async def _keep_alive(self, lease: Lease) -> None:
-        """Renew the lease while the body runs (long tools, slow consumers)."""
+        """Renew the lease while the body runs (long tools, slow consumers).
+
+        A renewal is due a third of the lease after the last one began; how late it
+        committed past that moment is its lag (``asiento.lease.renewal_lag``).
+        """
         while True:
+            due = time.monotonic() + self.lease_ttl / 3
             await asyncio.sleep(self.lease_ttl / 3)
             try:
                 await self.store.renew(lease, ttl=self.lease_ttl)
+                metrics.renewed(time.monotonic() - due)
             except LeaseLost:
                 log.warning(
                     "run %r: lease lost; the session's next write will be refused", self.run_id

@@ -23,6 +23,7 @@ from .journal.base import Checkpointer
 from .lease import Holder
 from .model import Gateway
 from .session import Session
+from .telemetry import metrics
 from .tools import check_timeout, tool_threads_at_least
 
 log = logging.getLogger("asiento.worker")
@@ -124,7 +125,7 @@ class Worker:
             raise UsageError(f"Worker(concurrency=...) must be an int >= 1, not {concurrency!r}")
         if not poll > 0:
             raise UsageError(f"Worker(poll=...) must be > 0 seconds, not {poll!r}")
-        self.store, self.app, self.poll = store, app, poll
+        self.store, self.app, self.poll = metrics.counted(store), app, poll
         self.concurrency = concurrency
         self.holder = Holder.here()
         self.stats = WorkerStats()
@@ -277,6 +278,7 @@ class Worker:
 
     def _note(self, claim: Claim) -> None:
         self.stats.claimed += 1
+        metrics.claimed()
         self.stats.runs.append(claim.lease.run_id)
         if claim.in_flight is not None:
             log.warning(
@@ -289,11 +291,16 @@ class Worker:
             )
 
     async def _drive(self, claim: Claim) -> None:
+        with metrics.driving():
+            await self._drive_claimed(claim)
+
+    async def _drive_claimed(self, claim: Claim) -> None:
         run_id = claim.lease.run_id
         agent = self.app.agents.get(claim.agent)
         if agent is None:
             reason = f"no agent named {claim.agent!r} in this worker's app"
             await self.store.set_status(run_id, RunStatus.PARKED, reason=reason)
+            metrics.parked("no_agent")
             await self.store.release(claim.lease)
             return
         session = Session(

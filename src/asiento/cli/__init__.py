@@ -550,12 +550,36 @@ def serve(
     type=click.IntRange(min=1),
     help="Runs driven at once, each under its own lease (sync tools get as many threads).",
 )
-def worker(store: str, target: str, poll: float, until_idle: bool, concurrency: int) -> None:
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(min=1, max=65535),
+    metavar="PORT",
+    help="Serve the worker's metrics for Prometheus at http://HOST:PORT/metrics"
+    " (needs asiento[metrics]).",
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    metavar="HOST",
+    help="The address --metrics-port listens on.",
+)
+def worker(
+    store: str,
+    target: str,
+    poll: float,
+    until_idle: bool,
+    concurrency: int,
+    metrics_port: int | None,
+    metrics_host: str,
+) -> None:
     """Claim submitted runs that need work and drive them with the app's agents.
 
     SIGTERM or SIGINT lets every step in flight finish (for at most the app's
     shutdown_grace, 25 s by default), then the worker releases its leases and stops
-    with exit status 75; the runs stay resumable by any worker.
+    with exit status 75; the runs stay resumable by any worker. With --metrics-port,
+    its runs in flight, claims, commits, lease renewal lag, parks and quota waits are
+    served for a Prometheus scrape (docs/fleet.md, "Metrics").
     """
     from ..worker import App, Worker
 
@@ -567,6 +591,8 @@ def worker(store: str, target: str, poll: float, until_idle: bool, concurrency: 
         raise CommandError(f"--app {target} is a {type(app).__name__}, not an asiento.App")
     if poll <= 0:
         raise CommandError("--poll must be a positive number of seconds")
+    if metrics_port is not None:
+        _serve_metrics(metrics_port, metrics_host)
     logging.basicConfig(level=logging.WARNING, format="asiento worker: %(message)s")
     shutdown.install()
 
@@ -588,6 +614,17 @@ def worker(store: str, target: str, poll: float, until_idle: bool, concurrency: 
     if shutdown.requested():
         click.echo("asiento worker: stopped by a signal; the runs are resumable", err=True)
         raise SystemExit(shutdown.EXIT_CODE)
+
+
+def _serve_metrics(port: int, host: str) -> None:
+    """Start the metrics endpoint before any run is claimed; any trouble is one line."""
+    from ..telemetry.prometheus import serve_metrics
+
+    try:
+        serve_metrics(port, host)
+    except UsageError as exc:
+        raise CommandError(f"--metrics-port {port}: {exc}") from None
+    click.echo(f"asiento worker: metrics at http://{host}:{port}/metrics", err=True)
 
 
 @main.command()

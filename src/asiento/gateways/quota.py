@@ -36,6 +36,7 @@ from typing import Any
 
 from .. import shutdown
 from ..errors import UsageError
+from ..telemetry import metrics
 
 #: The request fields that bound a model's output tokens (Anthropic, Chat Completions, Responses).
 OUTPUT_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
@@ -153,17 +154,27 @@ class Quota:
         when it is about to be sent, not while it waits for a place.
         """
         loop = asyncio.get_running_loop()
+        asked = time.monotonic()
         if self.max_concurrent is None:
-            yield await self._admit(loop, tokens)
+            admitted = await self._admit(loop, tokens)
+            self._waited(asked)
+            yield admitted
             return
         semaphore = self._semaphores.get(loop)
         if semaphore is None:
             semaphore = self._semaphores[loop] = asyncio.Semaphore(self.max_concurrent)
         await _take(semaphore)
         try:
-            yield await self._admit(loop, tokens)
+            admitted = await self._admit(loop, tokens)
+            self._waited(asked)
+            yield admitted
         finally:
             semaphore.release()
+
+    def _waited(self, asked: float) -> None:
+        """A request was admitted: its wait goes to ``asiento.quota.wait`` (when it limits)."""
+        if self.max_concurrent is not None or self.limits_rate:
+            metrics.quota_waited(time.monotonic() - asked)
 
     async def _admit(self, loop: asyncio.AbstractEventLoop, tokens: int) -> Reservation:
         """Wait (first come, first served) until the windows have room; nothing held till then."""

@@ -111,6 +111,12 @@ def parks(attempts: int, max_attempts: int, lapses: int = 0, max_lapses: int = 0
     return attempts >= max_attempts or 0 < max_lapses <= lapses
 
 
+def park_cause(lapses: int = 0, max_lapses: int = 0) -> str:
+    """Why ``parks`` parked a run, as ``asiento.runs.parked`` names it: ``max_lapses``
+    when its lapses reached the limit, else ``max_attempts`` (as ``parked_reason``)."""
+    return "max_lapses" if 0 < max_lapses <= lapses else "max_attempts"
+
+
 _PARKED_AFTER, _PARKED_CLAIMS = "parked after ", " claims without reaching a stable state"
 _LAST_FAILURE, _NO_WORD = "; last failure: ", " (its workers died without a word)"
 _LAPSED = (

@@ -10,6 +10,7 @@ from .. import _clock, budget, step_ids
 from ..errors import DuplicateRecord, UsageError
 from ..events import Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
+from ..telemetry import metrics
 from . import _rules as rules
 from ._wakeup import WakeUp
 from .base import (
@@ -237,6 +238,7 @@ class MemoryCheckpointer:
                     info.attempts, reason, lapses=info.lapses, max_lapses=max_lapses
                 )
                 await self.set_status(info.run_id, RunStatus.PARKED, reason=why)
+                metrics.parked(rules.park_cause(info.lapses, max_lapses))
                 continue
             return await self._take_claim(info, holder, ttl, judged.in_flight)
         return None

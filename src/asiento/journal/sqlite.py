@@ -33,6 +33,7 @@ from ..errors import (
 )
 from ..events import Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
+from ..telemetry import metrics
 from . import _rules as rules
 from ._backfill import MIGRATION_ADVICE
 from ._sqlite_capi import keep_wal_on_close, os_errno
@@ -660,15 +661,18 @@ class SqliteCheckpointer:
     ) -> list[Claim]:
         """Up to ``limit`` claims in one transaction (one commit for a worker's free slots)."""
         taken: list[Claim] = []
+        parked: list[str] = []  # the causes of the runs this claim parked
         with self._errors(), self._transaction():
             while len(taken) < limit and (
-                claim := self._claim_one(holder, ttl, max_attempts, max_lapses)
+                claim := self._claim_one(holder, ttl, max_attempts, max_lapses, parked)
             ):
                 taken.append(claim)
+        for cause in parked:  # committed: counted once, by the process that parked
+            metrics.parked(cause)
         return taken
 
     def _claim_one(
-        self, holder: Holder, ttl: float, max_attempts: int, max_lapses: int
+        self, holder: Holder, ttl: float, max_attempts: int, max_lapses: int, parked: list[str]
     ) -> Claim | None:
         for _ in range(_MAX_PARKED_PER_CLAIM):
             now = time.time()
@@ -695,6 +699,7 @@ class SqliteCheckpointer:
                 )
                 params = {"status": "parked", "now": now, "run_id": run_id}
                 self._db.execute(_SET_STATUS, params | {"reason": why})
+                parked.append(rules.park_cause(judged.lapses, max_lapses))
                 continue
             self._take(run_id, holder, ttl, fence, now)
             self._db.execute(

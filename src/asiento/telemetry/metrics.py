@@ -1,0 +1,201 @@
+"""A worker's metrics, on the OpenTelemetry metrics API (docs/fleet.md, "Metrics").
+
+The instruments come from ``opentelemetry.metrics.get_meter("asiento")``, so they
+report to whatever ``MeterProvider`` the process sets globally, now or later (the
+API's proxy binds them when one is set): a Prometheus reader (``asiento worker
+--metrics-port``), an OTLP exporter to a collector, or a test's in-memory reader.
+With the API and no SDK configured they are the API's no-ops; without
+``opentelemetry-api`` installed, every function here returns at once and
+``counted`` hands the store back untouched.
+
+Each fact is recorded where it is known: a claim and the runs in flight by the
+worker, the store's writes by ``counted`` (the worker's view of its store), a
+renewal's lag by the session that renews, a park by whoever parks (the store's
+claim, or the worker for a run whose agent it lacks), a quota wait by the ``Quota``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Final, cast
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+    from ..journal.base import Checkpointer
+
+#: The operations ``asiento.worker.commits`` counts: the worker's writes to its store.
+WRITES: Final = ("append", "claim", "release", "renew", "set_status")
+# Seconds: from a few milliseconds late to later than any lease should tolerate.
+_LAG_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_WAIT_BUCKETS: Final = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _WorstLag:
+    """The largest renewal lag since the last collection: what ``...renewal_lag.max`` shows."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # renewals on many loops, collection on a reader's thread
+        self._worst: float | None = None
+
+    def note(self, lag: float) -> None:
+        with self._lock:
+            self._worst = lag if self._worst is None else max(self._worst, lag)
+
+    def observe(self, _options: CallbackOptions) -> Iterable[Observation]:
+        from opentelemetry.metrics import Observation
+
+        with self._lock:
+            worst, self._worst = self._worst, None
+        return [] if worst is None else [Observation(worst)]
+
+
+class _Instruments:
+    """The worker's instruments, made once from the global meter."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.runs_in_flight = meter.create_up_down_counter(
+            "asiento.worker.runs_in_flight", "{run}", "Runs this worker is driving now."
+        )
+        self.claims = meter.create_counter(
+            "asiento.worker.claims", "{run}", "Runs this worker claimed."
+        )
+        self.commits = meter.create_counter(
+            "asiento.worker.commits",
+            "{commit}",
+            "Writes this worker made to its store, by operation.",
+        )
+        self.renewal_lag = meter.create_histogram(
+            "asiento.lease.renewal_lag",
+            "s",
+            "How late a lease renewal committed past the moment it was due.",
+            explicit_bucket_boundaries_advisory=_LAG_BUCKETS,
+        )
+        self.worst_lag = _WorstLag()
+        meter.create_observable_gauge(
+            "asiento.lease.renewal_lag.max",
+            [self.worst_lag.observe],
+            "s",
+            "The largest renewal lag since the previous collection (scrape).",
+        )
+        self.parked = meter.create_counter(
+            "asiento.runs.parked", "{run}", "Runs this process parked, by cause."
+        )
+        self.quota_wait = meter.create_histogram(
+            "asiento.quota.wait",
+            "s",
+            "How long a model request waited in a Quota before it was sent.",
+            explicit_bucket_boundaries_advisory=_WAIT_BUCKETS,
+        )
+
+
+def _instruments() -> _Instruments | None:
+    try:
+        from opentelemetry import metrics
+    except ImportError:  # no opentelemetry-api: nothing is recorded, nothing is paid
+        return None
+    return _Instruments(metrics.get_meter("asiento"))
+
+
+_ON: Final = _instruments()
+
+
+def claimed(runs: int = 1) -> None:
+    """The worker claimed ``runs`` runs."""
+    if _ON is not None:
+        _ON.claims.add(runs)
+
+
+@contextlib.contextmanager
+def driving() -> Iterator[None]:
+    """One run is in flight for the body."""
+    if _ON is None:
+        yield
+        return
+    _ON.runs_in_flight.add(1)
+    try:
+        yield
+    finally:
+        _ON.runs_in_flight.add(-1)
+
+
+def committed(operation: str) -> None:
+    """A write to the store (one of ``WRITES``) returned: it committed."""
+    if _ON is not None:
+        _ON.commits.add(1, {"operation": operation})
+
+
+def renewed(lag: float) -> None:
+    """A lease renewal committed ``lag`` seconds after it was due."""
+    if _ON is not None:
+        lag = max(lag, 0.0)
+        _ON.renewal_lag.record(lag)
+        _ON.worst_lag.note(lag)
+
+
+def parked(cause: str) -> None:
+    """A run was parked, for ``cause`` (``max_attempts``, ``max_lapses``, ``no_agent``)."""
+    if _ON is not None:
+        _ON.parked.add(1, {"cause": cause})
+
+
+def quota_waited(seconds: float) -> None:
+    """A request waited ``seconds`` in a ``Quota`` before it could be sent."""
+    if _ON is not None:
+        _ON.quota_wait.record(max(seconds, 0.0))
+
+
+def counted(store: Checkpointer) -> Checkpointer:
+    """``store``, its writes counted in ``asiento.worker.commits`` (itself, without OTel)."""
+    if _ON is None:
+        return store
+    return cast("Checkpointer", _Counted(store))
+
+
+class _Counted:
+    """A store whose writes that return are counted; everything else is the store's own.
+
+    One call is one write transaction, except that SQLite may commit appends of
+    several runs in one transaction (group commit) and splits a large
+    ``claim_many`` into transactions of 16 claims: the count is then of the writes
+    asked, which is at least the transactions made.
+    """
+
+    def __init__(self, store: Checkpointer) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def __repr__(self) -> str:
+        return repr(self._store)
+
+    async def append(self, *args: Any, **kwargs: Any) -> None:
+        await self._store.append(*args, **kwargs)
+        committed("append")
+
+    async def claim(self, *args: Any, **kwargs: Any) -> Any:
+        claim = await self._store.claim(*args, **kwargs)
+        committed("claim")
+        return claim
+
+    async def claim_many(self, *args: Any, **kwargs: Any) -> Any:
+        claims = await self._store.claim_many(*args, **kwargs)
+        committed("claim")
+        return claims
+
+    async def release(self, *args: Any, **kwargs: Any) -> None:
+        await self._store.release(*args, **kwargs)
+        committed("release")
+
+    async def renew(self, *args: Any, **kwargs: Any) -> Any:
+        lease = await self._store.renew(*args, **kwargs)
+        committed("renew")
+        return lease
+
+    async def set_status(self, *args: Any, **kwargs: Any) -> bool:
+        changed = await self._store.set_status(*args, **kwargs)
+        committed("set_status")
+        return changed
