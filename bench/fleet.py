@@ -40,7 +40,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -65,6 +65,7 @@ from asiento.testing.postgres import PostgresUnavailable, start_local_postgres
 HERE = Path(__file__).resolve()
 PAYLOAD = "x" * 250  # about what one journal record of a small step weighs
 WRITES = ("append", "claim", "release", "renew", "set_status")
+READS = ("load", "load_step", "final", "age", "run")
 WORKER_SECONDS = 240.0  # no fleet of this bench runs longer; a worker stops there
 BASELINE_REPEATS = 3  # the baseline is short and noisy: its median is the figure
 
@@ -101,18 +102,25 @@ class Counted:
         self._store = store
         self.writes = 0
         self.claims: list[float] = []
+        self.spent: dict[str, list[float]] = {}  # operation: [calls, seconds awaited]
 
     def __getattr__(self, name: str) -> Any:
         found = getattr(self._store, name)
-        if name not in (*WRITES, "claim_many"):
+        if name not in (*WRITES, *READS, "claim_many"):
             return found
 
         async def counted(*args: Any, **kwargs: Any) -> Any:
             started = time.perf_counter()
             result = await found(*args, **kwargs)
+            took = time.perf_counter() - started
+            spent = self.spent.setdefault(name, [0, 0.0])
+            spent[0] += 1
+            spent[1] += took
+            if name in READS:
+                return result
             self.writes += 1
             if name in ("claim", "claim_many") and result:
-                self.claims.append(time.perf_counter() - started)
+                self.claims.append(took)
             return result
 
         return counted
@@ -128,12 +136,28 @@ async def worker_process(url: str, tools: int, concurrency: int = 1, latency: fl
     app = App(agents={"default": Agent(tools=[step])}, gateway=model)
     worker = Worker(store, app, poll=0.01, concurrency=concurrency)
     await asyncio.to_thread(ready_then_wait)
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.process_time()
+    profile = _profiler()
     await worker.run(until_idle=True, max_seconds=WORKER_SECONDS)
-    ended = time.monotonic()
+    ended, cpu = time.monotonic(), time.process_time() - cpu
+    if profile is not None:
+        profile.disable()
+        profile.dump_stats(f"{os.environ['FLEET_PROFILE']}.{os.getpid()}")
     await store.close()
-    report = {"start": started, "end": ended, "closed": worker.stats.closed}
-    print(json.dumps(report | {"writes": store.writes, "claims": store.claims}), flush=True)
+    report = {"start": started, "end": ended, "closed": worker.stats.closed, "cpu": cpu}
+    report |= {"writes": store.writes, "claims": store.claims, "spent": store.spent}
+    print(json.dumps(report), flush=True)
+
+
+def _profiler() -> Any:
+    """cProfile of the worker's drain when ``FLEET_PROFILE`` names where to write it."""
+    if not os.environ.get("FLEET_PROFILE"):
+        return None
+    import cProfile
+
+    profile = cProfile.Profile(time.process_time)  # CPU only: waits do not count
+    profile.enable()
+    return profile
 
 
 def baseline_process(dsn: str, commits: int) -> None:
@@ -167,6 +191,16 @@ class Row:
     writes: int
     baseline_seconds: float
     claims: list[float]
+    cpu: float = 0.0  # the workers' CPU seconds while they drained
+    spent: dict[str, list[float]] = field(default_factory=dict)  # op: [calls, s awaited]
+
+    def waits(self) -> str:
+        """Per store operation: calls a run, mean ms a call awaited (round trips, pool, loop)."""
+        return ", ".join(
+            f"{name} {calls / self.runs:.1f}/run {seconds / calls * 1000:.1f} ms"
+            for name, (calls, seconds) in sorted(self.spent.items())
+            if calls
+        )
 
     def cells(self) -> list[str]:
         ms = sorted(c * 1000 for c in self.claims)
@@ -182,6 +216,7 @@ class Row:
             f"{self.seconds / self.baseline_seconds:.2f}",
             f"{statistics.median(ms):.2f}" if ms else "-",
             f"{p95:.2f}",
+            f"{self.cpu / (self.seconds * self.workers):.2f}",
         ]
 
 
@@ -196,12 +231,33 @@ HEADER = [
     "time_ratio",
     "claim_p50_ms",
     "claim_p95_ms",
+    "worker_cpu",
 ]
 
 
+# With --pin: the cores the server's processes run on, and the cores left to the workers.
+PINNED: dict[str, str] = {}
+
+
+def pin_server(base: Path) -> None:
+    """The server and every backend it forks later on core 0; the workers on the others."""
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        raise SystemExit("--pin needs at least 2 cores: one for the server, one for the workers")
+    postmaster = int((base / "data" / "postmaster.pid").read_text().split()[0])
+    subprocess.run(
+        ["taskset", "-a", "-p", "-c", "0", str(postmaster)], check=True, stdout=subprocess.DEVNULL
+    )
+    PINNED.update(server="0", workers=f"1-{cores - 1}" if cores > 2 else "1")
+
+
 def spawn(*argv: str) -> subprocess.Popen[str]:
+    pinned = ["taskset", "-c", PINNED["workers"]] if PINNED else []
     return subprocess.Popen(
-        [sys.executable, str(HERE), *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [*pinned, sys.executable, str(HERE), *argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -289,7 +345,15 @@ def measure_in(dsn: str, workers: int, runs: int, tools: int, *drive: str) -> Ro
     ]
     claims = [c for r in reports for c in r["claims"]]
     steps = runs * (2 * tools + 1)
-    return Row(workers, runs, steps, wall(reports), writes, statistics.median(baselines), claims)
+    cpu = sum(r["cpu"] for r in reports)
+    spent: dict[str, list[float]] = {}
+    for report in reports:
+        for name, (calls, seconds) in report["spent"].items():
+            total = spent.setdefault(name, [0, 0.0])
+            total[0] += calls
+            total[1] += seconds
+    median = statistics.median(baselines)
+    return Row(workers, runs, steps, wall(reports), writes, median, claims, cpu, spent)
 
 
 def print_table(rows: list[Row]) -> None:
@@ -303,13 +367,15 @@ def print_table(rows: list[Row]) -> None:
 
 
 @contextmanager
-def local_server() -> Iterator[str]:
+def local_server(pin: bool = False) -> Iterator[str]:
     """A PostgreSQL from pgserver's binaries in a temporary directory; its admin DSN."""
     try:
-        cluster = start_local_postgres(max_connections=200)
+        cluster = start_local_postgres(max_connections=300)
     except PostgresUnavailable as exc:
         raise SystemExit(str(exc)) from exc
     try:
+        if pin:
+            pin_server(cluster.base)
         yield cluster.dsn
     finally:
         cluster.stop()
@@ -413,6 +479,11 @@ def main() -> None:
         default=1,
         help="PostgreSQL fleets: runs each worker drives at once (1: as before; >1 uses --latency)",
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="PostgreSQL: the server on core 0, the workers on the other cores (taskset)",
+    )
     parser.add_argument("--dir", help="where the SQLite files go (a temporary directory)")
     parser.add_argument("--role", choices=["worker", "baseline"], help=argparse.SUPPRESS)
     parser.add_argument("role_args", nargs="*", help=argparse.SUPPRESS)
@@ -440,12 +511,15 @@ def main() -> None:
     if driven and args.latency is None:
         args.latency = 0.1
     drive = (str(args.concurrency), str(args.latency)) if driven else ()
-    with server(args.dsn) as admin_dsn:
+    with server(args.dsn, args.pin) as admin_dsn:
         rows = [measure(admin_dsn, w, runs, args.tools, *drive) for w in sizes]
     cores = os.cpu_count()
     steps = 2 * args.tools + 1
     print(f"\nfleet on PostgreSQL: {runs} runs per fleet size, {steps} steps a run, {cores} cores")
     print_table(rows)
+    print("\nwhat a run awaited from the store, per operation:")
+    for row in rows:
+        print(f"  {row.workers} workers: {row.waits()}")
     if drive:
         print(
             f"\nconcurrency {args.concurrency} a worker,"
@@ -467,11 +541,11 @@ def main() -> None:
 
 
 @contextmanager
-def server(dsn: str | None) -> Iterator[str]:
+def server(dsn: str | None, pin: bool = False) -> Iterator[str]:
     if dsn:
         yield dsn
         return
-    with local_server() as started:
+    with local_server(pin) as started:
         yield started
 
 

@@ -211,7 +211,9 @@ class _Pass:
         self.budget_noted = False  # this pass recorded its budget in force (``ModelResult``)
 
     async def steps(self) -> AsyncIterator[Step | StreamEvent]:
-        final = await self.store.final(self.run_id)
+        # A claimed run was running when claimed; its walk's first read sees a final
+        # recorded since (an abandon) and closes it: no read of its own for that here.
+        final = None if self.session.claimed else await self.store.final(self.run_id)
         if final is not None:
             await self.session.settle_closed()
             yield self._closed(final)

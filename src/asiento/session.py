@@ -103,6 +103,11 @@ class Session:
     def __repr__(self) -> str:
         return f"Session(run_id={self.run_id!r})"
 
+    @property
+    def claimed(self) -> bool:
+        """Whether a worker's claim already holds the run for this session (not yet driven)."""
+        return self._claimed is not None
+
     @contextlib.asynccontextmanager
     async def driving(self) -> AsyncIterator[Lease]:
         """Hold the run's lease for the body: acquire, keep alive, release."""

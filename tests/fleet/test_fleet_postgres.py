@@ -189,7 +189,9 @@ async def test_fleet_rides_out_terminated_connections(
         await asyncio.to_thread(terminator.join, 10)
     assert terminator.terminated >= 3
     assert fleet.stop() == [75, 75], fleet.stderr()
-    assert [(r.run_id, r.status) for r in final] == [(r, RunStatus.CLOSED) for r in run_ids]
+    assert [(r.run_id, r.status) for r in final] == [(r, RunStatus.CLOSED) for r in run_ids], (
+        fleet.stderr()
+    )
     assert fleet.ledger() == Counter(dict.fromkeys(run_ids, 1))
     assert await fencing_violations(pg_store, fleet.logs()) == []
     print(f"terminated {terminator.terminated} backends; restarts {restarts(fleet)}")

@@ -39,6 +39,7 @@ from asiento import (
     submit,
     tool,
 )
+from asiento.journal.base import Checkpointer
 from asiento.lease import Holder
 from asiento.testing import ScriptedGateway
 
@@ -49,6 +50,7 @@ APP = '''
 import asyncio
 import contextlib
 from asiento import Agent, App, ModelResponse, ToolCall, tool
+from asiento.journal.base import Checkpointer
 from asiento.lease import Holder
 from asiento.testing import ScriptedGateway
 
@@ -105,7 +107,7 @@ def histogram(before: dict[Key, Any], after: dict[Key, Any], name: str) -> tuple
     return count - before.get((name, ()), (0, 0.0, 0.0))[0], worst
 
 
-async def charged(store: SqliteCheckpointer, run_id: str, claims: int) -> None:
+async def charged(store: Checkpointer, run_id: str, claims: int) -> None:
     """Submit ``run_id`` and count ``claims`` failed claims against it (a test's holder)."""
     await submit(store, run_id, "go")
     for _ in range(claims):
@@ -191,6 +193,40 @@ async def test_a_worker_at_concurrency_4_reports_what_it_did(
     assert grew(before, after, "asiento.runs.parked", cause="max_attempts") == 1
     assert grew(before, after, "asiento.runs.parked", cause="no_agent") == 1
     assert grew(before, after, "asiento.runs.parked", cause="max_lapses") == 0
+
+
+async def test_a_claim_that_parks_runs_counts_them_by_cause_on_sqlite(
+    reader: InMemoryMetricReader, sqlite_store: Checkpointer
+) -> None:
+    """A claim parks one run for max_attempts and one for max_lapses: each counted once."""
+    await parks_by_cause(reader, sqlite_store)
+
+
+async def test_a_claim_that_parks_runs_counts_them_by_cause_on_postgres(
+    reader: InMemoryMetricReader, pg_store: Checkpointer
+) -> None:
+    """The same on PostgreSQL, whose claim parks and leases in one statement."""
+    await parks_by_cause(reader, pg_store)
+
+
+async def parks_by_cause(reader: InMemoryMetricReader, store: Checkpointer) -> None:
+    await submit(store, "lapsing", "go")
+    lapsed = await store.claim(Holder.here(), ttl=1.0, max_attempts=5)  # its holder dies
+    assert lapsed is not None
+    assert lapsed.lease.run_id == "lapsing"
+    await charged(store, "poison", 2)  # while "lapsing" is still held
+    await asyncio.sleep(1.2)
+    before = figures(reader)
+    taken = await store.claim_many(Holder.here(), limit=4, ttl=5, max_attempts=2, max_lapses=1)
+    after = figures(reader)
+
+    assert taken == []
+    assert {r.run_id: r.status for r in await store.runs()} == {
+        "poison": RunStatus.PARKED,
+        "lapsing": RunStatus.PARKED,
+    }
+    assert grew(before, after, "asiento.runs.parked", cause="max_attempts") == 1
+    assert grew(before, after, "asiento.runs.parked", cause="max_lapses") == 1
 
 
 async def test_a_request_that_waits_in_a_quota_records_its_wait(

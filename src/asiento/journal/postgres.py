@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
@@ -53,6 +55,7 @@ from ..errors import (
 )
 from ..events import Claim, Lease, Phase, RunInfo, RunStatus, Savings, StepEvent
 from ..lease import Holder
+from ..telemetry import metrics
 from . import _postgres_schema as sql
 from ._backfill import (
     BUDGET_RECORDS,
@@ -92,6 +95,10 @@ _CONNECT_TIMEOUT = 10
 
 class _CommitUnknown(Exception):
     """The connection died during COMMIT: the transaction may or may not be recorded."""
+
+
+class _Conflict(Exception):
+    """A statement hit a record already in the journal, and wrote nothing."""
 
 
 class _ConnectionLost(Exception):
@@ -210,8 +217,31 @@ class PostgresCheckpointer:
         state = None if status is None else RunStatus(status).value
         params = {"run_id": run_id, "status": state, "added": len(rows)}
         params |= counts_of(events)
-        work = partial(self._append_rows, rows, params, lease)
-        await self._exactly_once(work, partial(self._recorded, rows[0]))
+        if lease is not None and not any(row[2] in _DECISIONS for row in rows):
+            once = partial(self._append_leased, rows, params, lease)
+        else:
+            once = partial(self._transact_once, partial(self._append_rows, rows, params, lease))
+        await self._exactly_once(once, partial(self._recorded, rows[0]))
+
+    async def _append_leased(self, rows: list[Row], params: dict[str, Any], lease: Lease) -> None:
+        """A step's records under its lease in one statement: the hot path of every pass."""
+        batch = json.dumps(rows, ensure_ascii=False, allow_nan=False)
+        params = params | {"token": lease.token, "owner": lease.owner, "rows": batch}
+        crash_point("inside_commit")  # dying here writes nothing, as inside a transaction
+        try:
+            ((held, _),) = await self._statement_once(sql.APPEND_LEASED_EVENTS, params)
+        except _Conflict:
+            raise await self._duplicate(rows) from None
+        if not held:
+            raise lease_lost(lease)
+
+    async def _duplicate(self, rows: list[Row]) -> DuplicateRecord:
+        """The record of the batch already in the journal (what aborted the append)."""
+        for run_id, step_id, phase, *_ in rows:
+            if await self._fetch(sql.HOLDS, (run_id, step_id, phase)):
+                return DuplicateRecord(run_id, step_id, phase)
+        run_id, step_id, phase, *_ = rows[0]  # gone again meanwhile: still refused
+        return DuplicateRecord(run_id, step_id, phase)
 
     async def _append_rows(
         self, rows: list[Row], params: dict[str, Any], lease: Lease | None, conn: Conn
@@ -263,12 +293,13 @@ class PostgresCheckpointer:
         return await self._idempotent(take)
 
     async def renew(self, lease: Lease, *, ttl: float) -> Lease:
-        async def extend(conn: Conn) -> Lease:
-            await conn.execute(sql.SET_TTL, (ttl, lease.run_id, lease.token))
-            expires = await _check_lease(conn, lease)
-            return Lease(run_id=lease.run_id, token=lease.token, owner=lease.owner, expires=expires)
-
-        return await self._idempotent(extend)
+        params = {"ttl": ttl, "run_id": lease.run_id, "token": lease.token, "owner": lease.owner}
+        once = partial(self._statement_once, sql.RENEW, params)
+        found = await self._retried(once)
+        if not found:
+            raise lease_lost(lease)
+        expires = float(found[0][0])
+        return Lease(run_id=lease.run_id, token=lease.token, owner=lease.owner, expires=expires)
 
     async def release(
         self, lease: Lease, *, savings: Savings | None = None, clean: bool = False
@@ -284,13 +315,8 @@ class PostgresCheckpointer:
             lease.token,
         )
 
-        async def give_up(conn: Conn) -> None:
-            await conn.execute(sql.RELEASE, (*args, lease.owner))
-            await conn.execute(sql.NOTIFY_WORK)  # delivered at COMMIT, like the release
-
         self._handed.discard((lease.run_id, lease.token))
-
-        await self._idempotent(give_up)
+        await self._retried(partial(self._statement_once, sql.RELEASE_NOTIFY, (*args, lease.owner)))
 
     async def load(self, run_id: str) -> list[StepEvent]:
         rows = await self._fetch(sql.SELECT_EVENTS + " WHERE run_id = %s ORDER BY seq", (run_id,))
@@ -357,7 +383,7 @@ class PostgresCheckpointer:
             query = "SELECT task, agent FROM runs WHERE run_id = %s"
             return await self._fetch(query, (run_id,)) == [(task, agent)]
 
-        await self._exactly_once(insert, landed)
+        await self._exactly_once(partial(self._transact_once, insert), landed)
 
     async def claim(
         self, holder: Holder, *, ttl: float, max_attempts: int = 5, max_lapses: int = 0
@@ -383,13 +409,18 @@ class PostgresCheckpointer:
         params |= {"owner": holder.owner, "host": holder.host, "pid": holder.pid}
         params["started"] = holder.started
 
+        causes: Counter[str] = Counter()  # the runs the committed claim parked, by cause
+
         async def take(conn: Conn, *, unsure: bool) -> list[Claim]:
             claims = await self._held_unknown(conn, holder, ttl, limit) if unsure else []
             parked = 0
+            causes.clear()
             while len(claims) < limit and parked < _MAX_PARKED_PER_CLAIM:
                 want = params | {"limit": limit - len(claims)}
                 rows = await (await conn.execute(sql.CLAIM_MANY, want)).fetchall()
-                for _, run_id, task, agent, attempts, fence, expires, flight in rows:
+                newly, lapsed = int(rows[0][0]), int(rows[0][1])
+                causes.update({"max_lapses": lapsed, "max_attempts": newly - lapsed})
+                for _, _, run_id, task, agent, attempts, fence, expires, flight in rows:
                     if run_id is None:
                         continue  # nothing leased: the row only counts the parked runs
                     lease = Lease(run_id=run_id, token=fence, owner=holder.owner, expires=expires)
@@ -398,7 +429,6 @@ class PostgresCheckpointer:
                             lease=lease, task=task, agent=agent, attempts=attempts, in_flight=flight
                         )
                     )
-                newly = int(rows[0][0])
                 if not newly:
                     break  # the queue is empty, or only parked runs stood in the way
                 parked += newly
@@ -409,6 +439,9 @@ class PostgresCheckpointer:
             partial(take, unsure=False), after_unknown=partial(take, unsure=True)
         )
         self._handed.update((claim.lease.run_id, claim.lease.token) for claim in claims)
+        for cause, count in causes.items():
+            for _ in range(count):
+                metrics.parked(cause)
         return claims
 
     async def _held_unknown(
@@ -492,7 +525,27 @@ class PostgresCheckpointer:
                     raise
                 return result
 
-    async def _exactly_once(self, work: Work[None], landed: Landed) -> None:
+    async def _statement_once(self, query: str, params: Any) -> list[TupleRow]:
+        """One write statement in autocommit: one round trip, one commit.
+
+        ``_CommitUnknown`` when the connection is lost meanwhile (the statement may have
+        committed), ``_Conflict`` when it hit a record already there (it wrote nothing).
+        """
+        pool = await self._ready()
+        with self._errors():
+            async with pool.connection() as conn:
+                try:
+                    cur = await conn.execute(query, params)
+                    return await cur.fetchall()
+                except psycopg.errors.UniqueViolation as exc:
+                    raise _Conflict(_text(exc)) from exc
+                except psycopg.OperationalError as exc:
+                    if conn.broken:
+                        await pool.check()  # the others may be dead too (a failover)
+                        raise _CommitUnknown(_text(exc)) from exc
+                    raise
+
+    async def _exactly_once(self, once: Callable[[], Awaitable[None]], landed: Landed) -> None:
         """One transaction, for a write that must not happen twice.
 
         A COMMIT whose outcome is unknown is read back (``landed``) before anything
@@ -503,7 +556,7 @@ class PostgresCheckpointer:
         unsure = False
         while True:
             try:
-                await self._transact_once(work)
+                await once()
                 return None
             except (DuplicateRecord, UsageError):
                 if not (unsure and await self._read_back(landed)):
@@ -529,12 +582,20 @@ class PostgresCheckpointer:
     async def _idempotent(self, work: Work[T], *, after_unknown: Work[T] | None = None) -> T:
         """One transaction, for work that may safely run twice: an unknown COMMIT is redone
         (as ``after_unknown`` once a COMMIT was cut off, when given)."""
+        again = None if after_unknown is None else partial(self._transact_once, after_unknown)
+        return await self._retried(partial(self._transact_once, work), again)
+
+    async def _retried(
+        self, once: Callable[[], Awaitable[T]], again: Callable[[], Awaitable[T]] | None = None
+    ) -> T:
+        """``once`` (a transaction or a statement that may safely run twice) until it lands;
+        ``again`` instead once a COMMIT was cut off, when given."""
         retry = _Retry(self._retry_for)
         while True:
             try:
-                return await self._transact_once(work)
+                return await once()
             except _CommitUnknown as exc:
-                work = after_unknown or work
+                once = again or once
                 await retry.pause(self._gave_up("committing", exc))
             except _ConnectionLost as exc:
                 await retry.pause(self._gave_up("committing", exc))
