@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from . import lease as lease_state
-from .errors import AsientoError, LeaseLost, RunLocked, UsageError
+from .errors import AsientoError, LeaseLost, RunClosed, RunLocked, UncertainEffect, UsageError
 from .events import Lease, RunStatus, Savings
 from .journal.base import Checkpointer, check_id
 from .lease import Holder
@@ -25,6 +25,9 @@ log = logging.getLogger("asiento")
 
 # What the loop calls on its journal; the harness and workers use the rest.
 _LOOP_NEEDS = ("append", "load", "final", "set_status", "acquire", "renew", "release")
+
+# How a pass may end that is no failure of the run: its status says the rest.
+_NOT_FAILURES = (ShutdownRequested, LeaseLost, UncertainEffect, RunClosed)
 
 
 @dataclass(slots=True)
@@ -99,6 +102,7 @@ class Session:
         if lease is not None and lease.run_id != self.run_id:
             raise UsageError(f"Session(lease=...) holds run {lease.run_id!r}, not {self.run_id!r}")
         self._claimed = lease
+        self.found_closed = False  # noting a failure found the run closed (abandoned meanwhile)
 
     def __repr__(self) -> str:
         return f"Session(run_id={self.run_id!r})"
@@ -123,12 +127,41 @@ class Session:
         except asyncio.CancelledError:  # cut at the end of a shutdown's grace: not its fault
             clean = shutdown_requested()
             raise
+        except Exception as exc:
+            if not isinstance(exc, _NOT_FAILURES):
+                await self._note_failure(lease, exc)
+            raise
         finally:
             keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
             lease_state.ended(lease.owner)
             await self._release(lease, before, clean=clean)
+
+    async def _note_failure(self, lease: Lease, exc: Exception) -> None:
+        """Record why the pass failed while its lease still holds the run.
+
+        After the release a neighbour's claim may park the run for its attempts; a
+        note written then would set it running again, past ``max_attempts``.
+        """
+        reason = f"{type(exc).__name__}: {exc}"[:1000]
+        try:
+            await self.store.set_status(self.run_id, RunStatus.RUNNING, reason=reason, lease=lease)
+        except RunClosed:
+            self.found_closed = True
+        except Exception as noted:  # never hide the error that ended the body
+            log.warning("run %r: could not note why its pass failed: %s", self.run_id, noted)
+
+    async def give_back(self, exc: Exception) -> None:
+        """The pass failed before it drove the run: note why under the claim, release it."""
+        lease, self._claimed = self._claimed, None
+        if lease is None:
+            return
+        try:
+            await self._note_failure(lease, exc)
+        finally:
+            lease_state.ended(lease.owner)
+            await self._release(lease, self.stats.savings(), clean=False)
 
     async def settle_closed(self) -> None:
         """The run turned out closed: give back a lease a worker claimed for it.

@@ -17,7 +17,7 @@ from typing import Protocol, TypeVar
 
 from . import shutdown
 from .agent import Agent
-from .errors import LeaseLost, RunAbandoned, RunClosed, UncertainEffect, UsageError
+from .errors import LeaseLost, RunAbandoned, UncertainEffect, UsageError
 from .events import ApprovalStep, Claim, FinalStep, RunStatus, Step
 from .journal.base import Checkpointer
 from .lease import Holder
@@ -323,7 +323,8 @@ class Worker:
         except UncertainEffect:
             self._count(RunStatus.UNCERTAIN)
         except Exception as exc:
-            await self._failed(run_id, exc)
+            await session.give_back(exc)  # a claim the pass never drove is noted and released
+            self._failed(run_id, exc, session)
 
     async def _pass(self, agent: Agent | Drivable, task: str, session: Session) -> RunStatus:
         """How the pass left the run: closed, suspended, or still running (it stopped)."""
@@ -335,15 +336,12 @@ class Worker:
                 status = RunStatus.SUSPENDED
         return status
 
-    async def _failed(self, run_id: str, exc: Exception) -> None:
-        """Note why the pass failed; the run stays claimable, and is parked if it keeps failing."""
-        log.warning("run %r failed in this worker: %s", run_id, exc)
-        reason = f"{type(exc).__name__}: {exc}"[:1000]
-        try:
-            await self.store.set_status(run_id, RunStatus.RUNNING, reason=reason)
-        except RunClosed:  # abandoned meanwhile: a closed run stays closed
+    def _failed(self, run_id: str, exc: Exception, session: Session) -> None:
+        """The session noted why, under its lease; the run is parked if it keeps failing."""
+        if session.found_closed:  # abandoned meanwhile: a closed run stays closed
             self._count(RunStatus.CLOSED)
             return
+        log.warning("run %r failed in this worker: %s", run_id, exc)
         self.stats.failed += 1
 
     def _count(self, status: RunStatus) -> None:

@@ -7,17 +7,22 @@ from __future__ import annotations
 import asyncio
 import signal
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from asiento import (
     Agent,
     App,
     Checkpointer,
+    Holder,
+    Lease,
     ModelRequest,
     ModelResponse,
     RunStatus,
+    Savings,
+    Session,
     SqliteCheckpointer,
+    Step,
     Worker,
     submit,
 )
@@ -134,6 +139,64 @@ async def test_run_that_fails_every_pass_is_parked_with_its_last_failure(
     assert run.reason.endswith("last failure: RuntimeError: the provider is down")
     assert (worker.stats.claimed, worker.stats.failed) == (2, 2)
     assert await worker.run_once() is False
+    await store.close()
+
+
+class _NeighbourClaimsOnRelease(SqliteCheckpointer):
+    """A store where another worker's claim lands the moment a lease is given back."""
+
+    parked_by_neighbour = 0
+
+    async def release(
+        self, lease: Lease, *, savings: Savings | None = None, clean: bool = False
+    ) -> None:
+        await super().release(lease, savings=savings, clean=clean)
+        if await self.claim(Holder.here(), ttl=30.0, max_attempts=1) is None:
+            self.parked_by_neighbour += 1
+
+
+async def test_failed_pass_never_unparks_a_run_a_neighbour_parked(sqlite_path: Path) -> None:
+    """A failure is noted under the pass's lease: a neighbour's claim that parks the run
+    right after the release is not undone by the failing worker (it was: the run went on
+    being claimed past max_attempts)."""
+    store = _NeighbourClaimsOnRelease(sqlite_path)
+    app = App(agents={"default": Agent()}, gateway=ScriptedGateway(broken), max_attempts=1)
+    await submit(store, "r1", "task")
+    worker = Worker(store, app, poll=0.01)
+    assert await worker.run_once() is True
+    assert store.parked_by_neighbour == 1
+    [run] = await store.runs()
+    assert run.status == RunStatus.PARKED
+    assert run.reason is not None
+    assert run.reason.endswith("last failure: RuntimeError: the provider is down")
+    assert (worker.stats.claimed, worker.stats.failed) == (1, 1)
+    assert await worker.run_once() is False
+    await store.close()
+
+
+class _FailsBeforeDriving:
+    """A framework wrapper whose pass raises before it takes the run's lease."""
+
+    async def run(self, task: str, *, session: Session) -> AsyncIterator[Step]:
+        raise RuntimeError("the framework could not start")
+        yield  # an async generator, as the protocol asks
+
+
+async def test_pass_that_fails_before_driving_gives_its_claim_back(sqlite_path: Path) -> None:
+    """A claim the pass never drove is noted and released at once (it lapsed after the
+    lease: 30 s before each retry), and the run parked after max_attempts, naming why."""
+    store = SqliteCheckpointer(sqlite_path)
+    app = App(
+        agents={"default": _FailsBeforeDriving()}, gateway=ScriptedGateway([]), max_attempts=2
+    )
+    await submit(store, "r1", "task")
+    worker = Worker(store, app, poll=0.01)
+    assert [await worker.run_once() for _ in range(3)] == [True, True, False]
+    [run] = await store.runs()
+    assert (run.status, run.fence, run.lease_owner) == (RunStatus.PARKED, 2, None)
+    assert run.reason is not None
+    assert run.reason.endswith("last failure: RuntimeError: the framework could not start")
+    assert (worker.stats.claimed, worker.stats.failed) == (2, 2)
     await store.close()
 
 
