@@ -79,6 +79,7 @@ from .streaming import (
     ToolCallPart,
     whole_parts,
 )
+from .telemetry import tracing
 from .tools import Found, PrepareFailed, Tool, ToolArgumentsError, ToolTimedOut, Unknown, within
 
 log = logging.getLogger("asiento")
@@ -95,6 +96,8 @@ class Agent:
         policy: Policy | None = None,
         max_turns: int = 50,
         budget: budgets.Budget | None = None,
+        name: str = "",
+        telemetry: bool | tracing.Telemetry | None = None,
     ) -> None:
         if not isinstance(instructions, str):
             raise UsageError("Agent(instructions=...) must be a str")
@@ -110,6 +113,10 @@ class Agent:
             raise UsageError("Agent(max_turns=...) must be at least 1")
         if budget is not None and not isinstance(budget, budgets.Budget):
             raise UsageError(f"Agent(budget=...) takes a Budget(...), got {budget!r}")
+        if not isinstance(name, str):
+            raise UsageError(f"Agent(name=...) must be a str, got {name!r}")
+        self.name = name  # how traces name the agent; not part of the run's fingerprint
+        self.telemetry = tracing.telemetry_of(telemetry, "Agent")
         self.budget = budget
         self.instructions = instructions
         self.tools = {t.name: t for t in tools}
@@ -209,6 +216,7 @@ class _Pass:
         self.spent = budgets.Spent()  # what the model steps walked so far spent
         self.restarted = False  # whether this pass announced its first asked step
         self.budget_noted = False  # this pass recorded its budget in force (``ModelResult``)
+        self.trace: tracing.PassTrace | tracing.Off = tracing.OFF
 
     async def steps(self) -> AsyncIterator[Step | StreamEvent]:
         # A claimed run was running when claimed; its walk's first read sees a final
@@ -221,11 +229,18 @@ class _Pass:
         try:
             async with self.session.driving() as lease:
                 self.lease = lease
+                self.trace = self._trace(lease)
+                status, error = "stopped", None
                 try:
                     async for step in self._walks():
+                        status = _status_after(step, status)
                         yield step
+                except BaseException as exc:
+                    status, error = _status_of(exc), exc
+                    raise
                 finally:
                     await self._keep_what_happened()
+                    await self._trace_ends(status, error)
         except LeaseLost as exc:
             abandoned = await self._abandonment()
             if abandoned is None:
@@ -286,6 +301,33 @@ class _Pass:
         except AsientoError as exc:
             log.warning("run %r: could not record the last outcomes: %s", self.run_id, exc)
 
+    def _trace(self, lease: Lease) -> tracing.PassTrace | tracing.Off:
+        holder = replace(self.session.holder, owner=lease.owner).describe()
+        return tracing.for_pass(
+            self.agent.telemetry,
+            run_id=self.run_id,
+            agent=self.agent.name,
+            holder=holder,
+            fence=lease.token,
+            stats=self.stats,
+        )
+
+    async def _trace_begins(self, events: Sequence[StepEvent]) -> None:
+        """The pass's span opens; the run's trace context is durable before any step."""
+        now, later = self.trace.begin(events)
+        if now:
+            await self.store.append(*now, lease=self.lease)
+        self.pending.extend(later)
+
+    async def _trace_ends(self, status: str, error: BaseException | None) -> None:
+        ended = self.trace.end(status, error)
+        if ended is None:
+            return
+        try:
+            await self.store.append(ended, lease=self.lease)
+        except AsientoError as exc:  # the next pass stands in for this pass's span
+            log.warning("run %r: could not mark the end of its traced pass: %s", self.run_id, exc)
+
     def _closed(self, final: StepEvent) -> FinalStep:
         """A closed run answers with its recorded final step, and nothing else happens."""
         closed = Final.from_json(final.payload)
@@ -299,13 +341,16 @@ class _Pass:
 
     async def _walk(self) -> AsyncIterator[Step | StreamEvent]:
         """Replay what the journal holds, then do what is missing, step by step."""
-        self.journal = index(await self.store.load(self.run_id))
+        events = await self.store.load(self.run_id)
+        self.journal = index(events)
         self.spent = budgets.Spent()
         final = self.journal.get(step_ids.FINAL, {}).get(Phase.RESULT)
         if final is not None:  # closed by the session we waited for
             await self.store.set_status(self.run_id, RunStatus.CLOSED, lease=self.lease)
             yield self._closed(final)
             return
+        if self.trace.on and not self.trace.begun:
+            await self._trace_begins(events)
         self._add(Message(role="user", content=self.task))
         for turn in range(1, self.agent.max_turns + 1):
             step_id = step_ids.model(turn)
@@ -391,24 +436,26 @@ class _Pass:
                 yield StreamRestart(run_id=self.run_id, step_id=step_id, attempt=attempt)
             key, request = self._request(step_id, fp)
             gateway = self.session.gateway
-            if isinstance(gateway, StreamingGateway):
-                answer: object = None
-                marking = _Marker(self, step_id, attempt)
-                try:
-                    async for item in gateway.stream(request, idempotency_key=key):
-                        if isinstance(item, TextPart | ToolCallPart):
-                            yield Delta(
-                                run_id=self.run_id, step_id=step_id, attempt=attempt, part=item
-                            )
-                            marking.start()  # after the delta is shown: never before it
-                        else:
-                            answer = item
-                finally:
-                    await marking.done()
-                response = self._took(step_id, fp, key, answer, budget)
-            else:  # a gateway that cannot stream: its whole answer is one delta per part
-                answer = await gateway.complete(request, idempotency_key=key)
-                response = self._took(step_id, fp, key, answer, budget)
+            with self.trace.asking(step_id, gateway, request, reask=self._reask(step_id)):
+                if isinstance(gateway, StreamingGateway):
+                    answer: object = None
+                    marking = _Marker(self, step_id, attempt)
+                    try:
+                        async for item in gateway.stream(request, idempotency_key=key):
+                            if isinstance(item, TextPart | ToolCallPart):
+                                yield Delta(
+                                    run_id=self.run_id, step_id=step_id, attempt=attempt, part=item
+                                )
+                                marking.start()  # after the delta is shown: never before it
+                            else:
+                                answer = item
+                    finally:
+                        await marking.done()
+                    response = self._took(step_id, fp, key, answer, budget)
+                else:  # a gateway that cannot stream: its whole answer is one delta per part
+                    answer = await gateway.complete(request, idempotency_key=key)
+                    response = self._took(step_id, fp, key, answer, budget)
+            if not isinstance(gateway, StreamingGateway):
                 for part in whole_parts(response):
                     yield Delta(run_id=self.run_id, step_id=step_id, attempt=attempt, part=part)
         self._add(Message(role="assistant", content=response.text, tool_calls=response.tool_calls))
@@ -447,8 +494,14 @@ class _Pass:
         self, step_id: str, fp: str, budget: budgets.Budget | None
     ) -> ModelResponse:
         key, request = self._request(step_id, fp)
-        answer = await self.session.gateway.complete(request, idempotency_key=key)
-        return self._took(step_id, fp, key, answer, budget)
+        gateway = self.session.gateway
+        with self.trace.asking(step_id, gateway, request, reask=self._reask(step_id)):
+            answer = await gateway.complete(request, idempotency_key=key)
+            return self._took(step_id, fp, key, answer, budget)
+
+    def _reask(self, step_id: str) -> bool:
+        """Whether an earlier pass paid for this step's generation and lost it (traced)."""
+        return self.trace.on and bool(self._cut_attempts(step_id))
 
     def _request(self, step_id: str, fp: str) -> tuple[str, ModelRequest]:
         """The step's idempotency key and the request the model is asked."""
@@ -482,6 +535,7 @@ class _Pass:
             fp=fp, response=response, cost=cost, repaid=repaid, tools=tools, budget=noted
         )
         self.spent.add(result)
+        self.trace.answered(result)
         self._record(step_id, Phase.RESULT, result)
         self.waiting.append(
             ModelStep(run_id=self.run_id, step_id=step_id, response=response, idempotency_key=key)
@@ -539,6 +593,9 @@ class _Pass:
     async def _close(self, step_id: str, response: ModelResponse) -> None:
         self._record(step_ids.FINAL, Phase.RESULT, Final(step=step_id, text=response.text))
         self.waiting.append(FinalStep(run_id=self.run_id, step_id=step_id, text=response.text))
+        ended = self.trace.end("closed")  # its mark rides the final commit
+        if ended is not None:
+            self.pending.append(ended)
         await self._flush(RunStatus.CLOSED)
 
     # -- tool steps ----------------------------------------------------------------
@@ -633,26 +690,32 @@ class _Pass:
         )
         token = context.enter(where)
         seconds = self.session.tool_timeout if tool.timeout is None else tool.timeout
-        try:
-            executing = tool.runner.execute(
-                tool, intent, ready.kwargs, via=ready.via, attempts=ready.attempts
-            )
-            outcome = await within(executing, seconds, call.name)
-        except ToolUnavailable as exc:  # it never left: the step runs on the next pass
-            unsent = Resolution(happened=False, by="asiento", reason=str(exc)[:500])
-            self._record(ready.attempt_id, Phase.RESOLUTION, unsent)
-            raise
-        except ToolTimedOut as exc:
-            if not tool.idempotent:  # it may have happened, or may yet: never run it again
-                why = f"it timed out after {exc.seconds:g} s, and may or may not have happened"
-                await self._uncertain(ready.attempt_id, call, f"{why[0].upper()}{why[1:]}.", why)
-            outcome = Outcome.failed(str(exc))
-        finally:
-            context.leave(token)
+        decision = Decision.APPROVED if Phase.APPROVAL in state.records else Decision.ALLOW
+        with self.trace.executing(
+            state.step_id, ready.attempt_id, call.name, call.id, call.arguments
+        ):
+            try:
+                executing = tool.runner.execute(
+                    tool, intent, ready.kwargs, via=ready.via, attempts=ready.attempts
+                )
+                outcome = await within(executing, seconds, call.name)
+            except ToolUnavailable as exc:  # it never left: the step runs on the next pass
+                unsent = Resolution(happened=False, by="asiento", reason=str(exc)[:500])
+                self._record(ready.attempt_id, Phase.RESOLUTION, unsent)
+                raise
+            except ToolTimedOut as exc:
+                if not tool.idempotent:  # it may have happened, or may yet: never run it again
+                    why = f"it timed out after {exc.seconds:g} s, and may or may not have happened"
+                    await self._uncertain(
+                        ready.attempt_id, call, f"{why[0].upper()}{why[1:]}.", why
+                    )
+                outcome = Outcome.failed(str(exc))
+            finally:
+                context.leave(token)
+            self.trace.executed(outcome, decision)
         self.stats.tool_calls += 1
         self.counted.add(state.step_id)
         crash_point("after_tool")
-        decision = Decision.APPROVED if Phase.APPROVAL in state.records else Decision.ALLOW
         self._result(ready.attempt_id, call, decision, outcome, step_id=state.step_id)
 
     async def _reconcile(self, state: StepState, call: ToolCall, tool: Tool) -> None:
@@ -863,3 +926,23 @@ def _with_call_ids(response: ModelResponse, step_id: str) -> ModelResponse:
         for i, c in enumerate(response.tool_calls, 1)
     ]
     return replace(response, tool_calls=calls)
+
+
+def _status_after(step: Step | StreamEvent, status: str) -> str:
+    """How the pass leaves the run, as the steps it yielded say (traces)."""
+    if isinstance(step, FinalStep):
+        return "closed"
+    if isinstance(step, ApprovalStep | BudgetStep):
+        return "suspended"
+    return status
+
+
+def _status_of(exc: BaseException) -> str:
+    """How the pass left the run when it ended with ``exc`` (traces)."""
+    if isinstance(exc, UncertainEffect):
+        return "uncertain"
+    if isinstance(exc, shutdown.ShutdownRequested | GeneratorExit | asyncio.CancelledError):
+        return "stopped"
+    if isinstance(exc, LeaseLost):
+        return "lease_lost"
+    return "failed"

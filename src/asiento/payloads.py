@@ -92,6 +92,58 @@ class StreamAttempt:
         return cls(attempt=int(payload.get("stream_attempt", 0)))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceContext:
+    """The run's trace (W3C ``traceparent``): every pass, in any process, joins it."""
+
+    traceparent: str
+    tracestate: str = ""
+
+    def to_json(self) -> Json:
+        return {"traceparent": self.traceparent, "tracestate": self.tracestate}
+
+    @classmethod
+    def from_json(cls, payload: Mapping[str, Any]) -> TraceContext:
+        return cls(
+            traceparent=str(payload.get("traceparent", "")),
+            tracestate=str(payload.get("tracestate", "")),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PassMark:
+    """A traced pass began (``submitted``) or ended (``result``): the spans it left.
+
+    A begun pass with no end died with its process; the next pass stands in for its
+    span and records the end (``died``), so a trace never holds orphaned steps.
+    """
+
+    at: float
+    cause: str = ""  # began: first, resumed, decided, taken_over
+    by: str = ""  # began: the holder that drove it
+    status: str = ""  # ended: how the pass left the run
+    died: bool = False  # ended: written by a later pass for a pass that died
+
+    def to_json(self) -> Json:
+        payload: Json = {"at": self.at}
+        for name in ("cause", "by", "status"):
+            if value := getattr(self, name):
+                payload[name] = value
+        if self.died:
+            payload["died"] = True
+        return payload
+
+    @classmethod
+    def from_json(cls, payload: Mapping[str, Any]) -> PassMark:
+        return cls(
+            at=float(payload.get("at", 0.0)),
+            cause=str(payload.get("cause", "")),
+            by=str(payload.get("by", "")),
+            status=str(payload.get("status", "")),
+            died=bool(payload.get("died", False)),
+        )
+
+
 def is_model_result(payload: Mapping[str, Any]) -> bool:
     """Whether a result record is a model step's (it holds the answer)."""
     return isinstance(payload.get("response"), Mapping)

@@ -5,6 +5,8 @@
     m{n}.t{k}/{a}    attempt a (2, 3, ...) of that tool step; attempt 1 is the step id itself
     m{n}/{p}         a streamed attempt of model step m{n} by the pass of fence p (a marker)
     budget{n}        the n-th stop of the run on its budget (and a person's raise of it)
+    trace            the run's trace context (telemetry on)
+    trace/{p}        the traced pass of fence p: when it began and ended
     final            the run's final record
 
 The same journal always yields the same ids. Nothing else in asiento builds or
@@ -71,6 +73,29 @@ def is_streamed(record_id: str) -> bool:
     """Whether the record id names a streamed attempt of a model step."""
     step, _, attempt = record_id.partition(_ATTEMPT)
     return is_model(step) and attempt.isdigit()
+
+
+TRACE = "trace"
+
+
+def pass_mark(fence: int) -> str:
+    """Where the traced pass of fence ``fence`` marks its beginning and its end."""
+    return f"{TRACE}{_ATTEMPT}{fence}"
+
+
+def is_trace(record_id: str) -> bool:
+    """Whether the record is the run's trace context or a traced pass's mark."""
+    return base(record_id) == TRACE
+
+
+def pass_fences(record_ids: Iterable[str]) -> list[int]:
+    """The fences of the traced passes marked among ``record_ids``, in order."""
+    prefix = f"{TRACE}{_ATTEMPT}"
+    return sorted(
+        int(r[len(prefix) :])
+        for r in record_ids
+        if r.startswith(prefix) and r[len(prefix) :].isdigit()
+    )
 
 
 _BUDGET = "budget"

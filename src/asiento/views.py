@@ -34,8 +34,10 @@ from .payloads import (
     Intent,
     ModelResult,
     Outcome,
+    PassMark,
     Resolution,
     StreamAttempt,
+    TraceContext,
     is_model_result,
 )
 from .replay import StepState, Waits, index, step_state, waits_for
@@ -177,6 +179,8 @@ def summary(event: StepEvent) -> str:
         return f"closed after {closed.step}: {_text(closed.text)}"
     if step_ids.is_budget(event.step_id):
         return _budget_summary(event)
+    if step_ids.is_trace(event.step_id):
+        return _trace_summary(event)
     if event.phase == Phase.RESULT and is_model_result(payload):
         result = ModelResult.from_json(payload)
         repaid = f"; {result.repaid} cut stream(s) paid before it" if result.repaid else ""
@@ -195,6 +199,17 @@ def summary(event: StepEvent) -> str:
     if event.phase == Phase.RESOLUTION:
         return _resolution_summary(Resolution.from_json(payload))
     return _outcome_summary(Outcome.from_json(payload))
+
+
+def _trace_summary(event: StepEvent) -> str:
+    if event.step_id == step_ids.TRACE:
+        return f"trace {TraceContext.from_json(event.payload).traceparent}"
+    mark = PassMark.from_json(event.payload)
+    if event.phase == Phase.SUBMITTED:
+        return f"traced pass began ({mark.cause or 'resumed'}) in {mark.by or 'a worker'}"
+    if mark.died:
+        return "traced pass died with its process (noted by the next pass)"
+    return f"traced pass ended: {mark.status or 'stopped'}"
 
 
 def _budget_summary(event: StepEvent) -> str:

@@ -1,0 +1,604 @@
+"""Traces of runs on the OpenTelemetry API that know what was replayed (docs/observability.md).
+
+One trace per run, across every pass and process: the run's trace context is a
+journal record (``trace``), so a pass in another process, days later, joins the
+same trace. Each pass is a span (a child of the run's ``invoke_agent`` span, linked
+to the pass before); under it, one ``chat {model}`` span per generation paid for
+and one ``execute_tool {tool}`` span per tool that ran. A step read back from the
+journal emits nothing: the pass span counts what was replayed and what it saved.
+
+Span ids are a digest of (trace, step, attempt), so a span exported twice (a pass
+killed after the export) is the same span. The ids are chosen through the SDK
+tracer's ``id_generator``; another API implementation keeps its own ids, and the
+trace id and tree are the same.
+
+A pass's marks (``trace/{fence}``) say when it began and ended. A pass that began
+and never ended died with its process: the next pass exports a stand-in span for
+it (same id, status error, ``asiento.pass.died``), so the steps it exported have
+their parent, and records its end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+from weakref import WeakKeyDictionary
+
+from .. import step_ids
+from ..errors import UsageError
+from ..events import Decision, Phase, StepEvent
+from ..payloads import ModelResult, Outcome, PassMark, TraceContext
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Span, Tracer
+
+    from ..model import ModelRequest
+    from ..session import RunStats
+
+#: The GenAI semantic conventions' switch for prompt and completion content.
+CAPTURE_CONTENT: Final = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
+_TRUE: Final = frozenset({"1", "true", "yes", "on"})
+_DECIDED: Final = frozenset({Phase.APPROVAL, Phase.RESOLUTION})
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """How runs are traced: ``Agent(telemetry=Telemetry(...))``; ``True`` takes these defaults.
+
+    ``tracer_provider``: None for the global one (``opentelemetry.trace``'s).
+    ``capture_content``: record prompts, completions, tool arguments and results;
+    None follows the GenAI conventions' ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``.
+    """
+
+    tracer_provider: Any = None
+    capture_content: bool | None = None
+
+    def captures(self) -> bool:
+        if self.capture_content is not None:
+            return self.capture_content
+        return os.environ.get(CAPTURE_CONTENT, "").strip().lower() in _TRUE
+
+
+def telemetry_of(value: object, where: str) -> Telemetry | None:
+    """``telemetry=`` checked: a ``Telemetry``, True (defaults), or False / None (off)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        value = Telemetry()
+    if not isinstance(value, Telemetry):
+        raise UsageError(
+            f"{where}(telemetry=...) takes True, False or Telemetry(...), got {value!r}"
+        )
+    try:
+        import opentelemetry.trace  # noqa: F401
+    except ImportError as exc:
+        raise UsageError(
+            f"{where}(telemetry=...) needs the OpenTelemetry API: pip install 'asiento[otel]'"
+        ) from exc
+    return value
+
+
+# -- chosen span ids --------------------------------------------------------------------
+
+_CHOSEN: ContextVar[int | None] = ContextVar("asiento_span_id", default=None)
+_CHOSEN_TRACE: ContextVar[int | None] = ContextVar("asiento_trace_id", default=None)
+
+
+class _ChosenIds:
+    """The SDK tracer's id generator, giving the span id asiento chose when it chose one."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def generate_span_id(self) -> int:
+        chosen = _CHOSEN.get()
+        return chosen if chosen is not None else int(self.inner.generate_span_id())
+
+    def is_trace_id_random(self) -> bool:
+        return _CHOSEN_TRACE.get() is None and bool(
+            getattr(self.inner, "is_trace_id_random", lambda: True)()
+        )
+
+    def generate_trace_id(self) -> int:
+        chosen = _CHOSEN_TRACE.get()
+        return chosen if chosen is not None else int(self.inner.generate_trace_id())
+
+
+_TRACERS: WeakKeyDictionary[Any, Tracer] = WeakKeyDictionary()
+
+
+def _tracer(provider: Any) -> Tracer:
+    from opentelemetry import trace
+
+    from .. import __version__
+
+    provider = provider or trace.get_tracer_provider()
+    tracer = _TRACERS.get(provider)
+    if tracer is None:
+        tracer = provider.get_tracer("asiento", __version__)
+        inner = getattr(tracer, "id_generator", None)
+        if inner is not None:  # the SDK's tracer: asiento's spans get the ids it chooses
+            tracer.id_generator = _ChosenIds(inner)
+        with contextlib.suppress(TypeError):  # a provider that takes no weak reference
+            _TRACERS[provider] = tracer
+    return tracer
+
+
+def _digest_id(trace_id: int, *parts: object) -> int:
+    text = "/".join([f"{trace_id:032x}", *map(str, parts)])
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") or 1
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def _content(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=str)[:65536]
+
+
+# -- one pass ---------------------------------------------------------------------------
+
+
+class PassTrace:
+    """The spans of one pass of one run; what the pass records of its trace."""
+
+    on: Final = True
+
+    def __init__(
+        self,
+        config: Telemetry,
+        *,
+        run_id: str,
+        agent: str,
+        holder: str,
+        fence: int,
+        stats: RunStats,
+    ) -> None:
+        self.tracer = _tracer(config.tracer_provider)
+        self.content = config.captures()
+        self.run_id, self.agent, self.holder, self.fence = run_id, agent, holder, fence
+        self.stats, self.before = stats, _counts(stats)
+        self.context: Context | None = None
+        self.trace_id = 0
+        self.run_parent: Context | None = None  # where the run's span hangs (a caller's span)
+        self.run_began = 0.0
+        self.span: Span | None = None
+        self.begun = False
+        self.marked = False
+        self._model: Span | None = None
+        self._tool: Span | None = None
+
+    # the run's context and the pass's span
+
+    def begin(self, events: Sequence[StepEvent]) -> tuple[list[StepEvent], list[StepEvent]]:
+        """Open the pass's span: records to commit before anything else (the run's trace
+        context, new), and records that ride the pass's next commit (its marks)."""
+        from opentelemetry import trace
+        from opentelemetry.trace import Link, SpanContext, TraceFlags
+
+        self.begun = True
+        journal = {(e.step_id, e.phase): e for e in events}
+        now: list[StepEvent] = []
+        recorded = journal.get((step_ids.TRACE, Phase.RESULT))
+        if recorded is None:
+            context = _new_context()
+            now.append(self._event(step_ids.TRACE, Phase.RESULT, context.to_json()))
+            self.run_began = time.time()
+        else:
+            context = TraceContext.from_json(recorded.payload)
+            self.run_began = recorded.created_at
+        self._join(context)
+        later: list[StepEvent] = []
+        fences = step_ids.pass_fences(e.step_id for e in events)
+        earlier = [f for f in dict.fromkeys(fences) if f < self.fence]
+        died = [f for f in earlier if (step_ids.pass_mark(f), Phase.RESULT) not in journal]
+        last_at = max((e.created_at for e in events), default=time.time())
+        for fence in died:
+            began = PassMark.from_json(
+                journal[(step_ids.pass_mark(fence), Phase.SUBMITTED)].payload
+            )
+            self._stand_in(fence, began, last_at)
+            ended = PassMark(at=last_at, status="died", died=True)
+            later.append(self._event(step_ids.pass_mark(fence), Phase.RESULT, ended.to_json()))
+        cause = _cause(events, died)
+        links = []
+        if earlier:
+            previous = SpanContext(
+                self.trace_id,
+                _digest_id(self.trace_id, "pass", earlier[-1]),
+                is_remote=True,
+                trace_flags=TraceFlags(TraceFlags.SAMPLED),
+            )
+            links.append(Link(previous, {"asiento.link": "previous_pass"}))
+        self.span = self._start(
+            f"invoke_agent {self.agent}".strip(),
+            _digest_id(self.trace_id, "pass", self.fence),
+            self.context,
+            trace.SpanKind.INTERNAL,
+            {
+                "gen_ai.operation.name": "invoke_agent",
+                "gen_ai.agent.name": self.agent,
+                "asiento.run.id": self.run_id,
+                "asiento.pass.fence": self.fence,
+                "asiento.pass.cause": cause,
+                "asiento.worker": self.holder,
+            },
+            links=links,
+        )
+        mark = PassMark(at=time.time(), cause=cause, by=self.holder)
+        later.append(self._event(step_ids.pass_mark(self.fence), Phase.SUBMITTED, mark.to_json()))
+        self.marked = True
+        return now, later
+
+    def _join(self, context: TraceContext) -> None:
+        from opentelemetry import trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        carrier = {"traceparent": context.traceparent}
+        if context.tracestate:
+            carrier["tracestate"] = context.tracestate
+        parent = TraceContextTextMapPropagator().extract(carrier)
+        span_context = trace.get_current_span(parent).get_span_context()
+        self.trace_id = span_context.trace_id
+        root = _digest_id(self.trace_id, "run")
+        # A run started under a caller's span hangs the run's span there; a run of its
+        # own has a root made up from its trace, as its span has.
+        self.run_parent = None if span_context.span_id == root else parent
+        self.context = trace.set_span_in_context(
+            trace.NonRecordingSpan(
+                trace.SpanContext(
+                    self.trace_id, root, is_remote=True, trace_flags=span_context.trace_flags
+                )
+            )
+        )
+
+    def _stand_in(self, fence: int, began: PassMark, ended_at: float) -> None:
+        from opentelemetry import trace
+        from opentelemetry.trace import Status, StatusCode
+
+        span = self._start(
+            f"invoke_agent {self.agent}".strip(),
+            _digest_id(self.trace_id, "pass", fence),
+            self.context,
+            trace.SpanKind.INTERNAL,
+            {
+                "gen_ai.operation.name": "invoke_agent",
+                "gen_ai.agent.name": self.agent,
+                "asiento.run.id": self.run_id,
+                "asiento.pass.fence": fence,
+                "asiento.pass.cause": began.cause,
+                "asiento.worker": began.by,
+                "asiento.pass.died": True,
+            },
+            start=began.at,
+        )
+        span.set_status(Status(StatusCode.ERROR, "the pass's process died"))
+        span.set_attribute("error.type", "process_died")
+        span.end(end_time=_ns(max(ended_at, began.at)))
+
+    def end(self, status: str, error: BaseException | None = None) -> StepEvent | None:
+        """Close the pass's span, saying how it left the run; its end mark, to record."""
+        if self.span is None:
+            return None
+        from opentelemetry.trace import Status, StatusCode
+
+        span, self.span = self.span, None
+        done = _counts(self.stats)
+        for name, value in zip(_COUNTED, done, strict=True):
+            span.set_attribute(name, value - self.before[_COUNTED.index(name)])
+        span.set_attribute("asiento.run.status", status)
+        if error is not None:
+            span.set_attribute("error.type", type(error).__qualname__)
+            span.set_status(Status(StatusCode.ERROR, str(error)[:500]))
+        span.end()
+        if status == "closed":
+            self._run_span()
+        if not self.marked:
+            return None
+        ended = PassMark(at=time.time(), status=status)
+        return self._event(step_ids.pass_mark(self.fence), Phase.RESULT, ended.to_json())
+
+    def _run_span(self) -> None:
+        """The run's own span, once it closed: from its first pass to now."""
+        from opentelemetry import trace
+
+        span = self._start(
+            f"invoke_agent {self.agent}".strip(),
+            _digest_id(self.trace_id, "run"),
+            self.run_parent,
+            trace.SpanKind.INTERNAL,
+            {
+                "gen_ai.operation.name": "invoke_agent",
+                "gen_ai.agent.name": self.agent,
+                "asiento.run.id": self.run_id,
+                "asiento.run.status": "closed",
+            },
+            start=self.run_began,
+            root=self.run_parent is None,
+        )
+        span.end()
+
+    # model and tool steps
+
+    @contextlib.contextmanager
+    def asking(
+        self, step_id: str, gateway: object, request: ModelRequest, *, reask: bool
+    ) -> Iterator[None]:
+        """A generation asked for (and paid) by this pass: a CLIENT ``chat`` span."""
+        from opentelemetry import trace
+
+        model = str(getattr(gateway, "model", "") or "")
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": "chat",
+            "gen_ai.provider.name": _provider(gateway),
+            "asiento.run.id": self.run_id,
+            "asiento.step.id": step_id,
+            "asiento.attempt": self.fence,
+        }
+        if model:
+            attributes["gen_ai.request.model"] = model
+        if reask:
+            attributes["asiento.reask"] = True
+        if self.content:
+            attributes["gen_ai.input.messages"] = _content([m.to_json() for m in request.messages])
+            if request.instructions:
+                attributes["gen_ai.system_instructions"] = request.instructions
+        self._model = self._start(
+            f"chat {model}".strip(),
+            _digest_id(self.trace_id, step_id, self.fence),
+            self._parent(),
+            trace.SpanKind.CLIENT,
+            attributes,
+        )
+        try:
+            yield
+        except BaseException as exc:
+            _failed(self._model, exc)
+            raise
+        finally:
+            self._model.end()
+            self._model = None
+
+    def answered(self, result: ModelResult) -> None:
+        """What the generation cost, on its span (called before it is recorded)."""
+        span = self._model
+        if span is None:
+            return
+        response, usage = result.response, result.response.usage
+        if response.model:
+            span.set_attribute("gen_ai.response.model", response.model)
+        if response.request_id:
+            span.set_attribute("gen_ai.response.id", response.request_id)
+        span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
+        if usage.cached_input_tokens:
+            span.set_attribute("gen_ai.usage.cache_read.input_tokens", usage.cached_input_tokens)
+        if usage.cache_write_tokens:
+            span.set_attribute("gen_ai.usage.cache_creation.input_tokens", usage.cache_write_tokens)
+        if result.cost is not None:
+            span.set_attribute("asiento.cost", result.cost)
+        if result.repaid:
+            span.set_attribute("asiento.repaid", result.repaid)
+        if response.kept:  # the proxy answered from the generation it kept: nothing paid
+            span.set_attribute("asiento.kept", True)
+        if self.content:
+            output = {
+                "text": response.text,
+                "tool_calls": [c.to_json() for c in response.tool_calls],
+            }
+            span.set_attribute("gen_ai.output.messages", _content(output))
+
+    @contextlib.contextmanager
+    def executing(
+        self, step_id: str, attempt_id: str, name: str, call_id: str, arguments: Mapping[str, Any]
+    ) -> Iterator[None]:
+        """A tool that runs in this pass: an ``execute_tool`` span."""
+        from opentelemetry import trace
+
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": "execute_tool",
+            "gen_ai.tool.name": name,
+            "gen_ai.tool.call.id": call_id,
+            "asiento.run.id": self.run_id,
+            "asiento.step.id": step_id,
+            "asiento.attempt.id": attempt_id,
+        }
+        if self.content:
+            attributes["gen_ai.tool.call.arguments"] = _content(dict(arguments))
+        self._tool = self._start(
+            f"execute_tool {name}",
+            _digest_id(self.trace_id, attempt_id, "tool"),
+            self._parent(),
+            trace.SpanKind.INTERNAL,
+            attributes,
+        )
+        try:
+            yield
+        except BaseException as exc:
+            from ..errors import UncertainEffect
+
+            outcome = "uncertain" if isinstance(exc, UncertainEffect) else "unsent"
+            self._tool.set_attribute("asiento.outcome", outcome)
+            _failed(self._tool, exc)
+            raise
+        finally:
+            self._tool.end()
+            self._tool = None
+
+    def executed(self, outcome: Outcome, decision: Decision) -> None:
+        """How the tool ended, on its span (before the outcome is recorded)."""
+        span = self._tool
+        if span is None:
+            return
+        from opentelemetry.trace import Status, StatusCode
+
+        if outcome.status == "ok":
+            applied = "approved" if decision is Decision.APPROVED else "applied"
+            span.set_attribute(
+                "asiento.outcome", "reconciled" if outcome.via == "lookup" else applied
+            )
+        else:
+            span.set_attribute("asiento.outcome", "failed")
+            span.set_attribute("error.type", "tool_error")
+            span.set_status(Status(StatusCode.ERROR, (outcome.error or "")[:500]))
+        if self.content:
+            span.set_attribute("gen_ai.tool.call.result", _content(outcome.shown))
+
+    # plumbing
+
+    def _parent(self) -> Context | None:
+        from opentelemetry import trace
+
+        return trace.set_span_in_context(self.span) if self.span is not None else self.context
+
+    def _start(
+        self,
+        name: str,
+        span_id: int,
+        parent: Context | None,
+        kind: Any,
+        attributes: Mapping[str, Any],
+        *,
+        links: Sequence[Any] = (),
+        start: float | None = None,
+        root: bool = False,
+    ) -> Span:
+        from opentelemetry import context as otel_context
+
+        if root:  # no parent, this trace's id: the SDK's generator is asked for it
+            parent = otel_context.Context()
+        token, trace_token = _CHOSEN.set(span_id), _CHOSEN_TRACE.set(self.trace_id)
+        try:
+            return self.tracer.start_span(
+                name,
+                context=parent,
+                kind=kind,
+                attributes=attributes,
+                links=links,
+                start_time=None if start is None else _ns(start),
+            )
+        finally:
+            _CHOSEN.reset(token)
+            _CHOSEN_TRACE.reset(trace_token)
+
+    def _event(self, step_id: str, phase: Phase, payload: Mapping[str, Any]) -> StepEvent:
+        return StepEvent(run_id=self.run_id, step_id=step_id, phase=phase, payload=payload)
+
+
+class Off:
+    """Telemetry off: every hook is a no-op, so a pass pays nothing for it."""
+
+    on: Final = False
+    begun: Final = True
+
+    def begin(self, events: Sequence[StepEvent]) -> tuple[list[StepEvent], list[StepEvent]]:
+        return [], []
+
+    def end(self, status: str, error: BaseException | None = None) -> StepEvent | None:
+        return None
+
+    def asking(
+        self, step_id: str, gateway: object, request: ModelRequest, *, reask: bool
+    ) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def answered(self, result: ModelResult) -> None:
+        return None
+
+    def executing(
+        self, step_id: str, attempt_id: str, name: str, call_id: str, arguments: Mapping[str, Any]
+    ) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def executed(self, outcome: Outcome, decision: Decision) -> None:
+        return None
+
+
+OFF: Final = Off()
+
+
+def for_pass(
+    config: Telemetry | None, *, run_id: str, agent: str, holder: str, fence: int, stats: RunStats
+) -> PassTrace | Off:
+    """The pass's trace, or ``OFF``."""
+    if config is None:
+        return OFF
+    return PassTrace(config, run_id=run_id, agent=agent, holder=holder, fence=fence, stats=stats)
+
+
+# -- helpers ----------------------------------------------------------------------------
+
+_COUNTED: Final = (
+    "asiento.executed.model_calls",
+    "asiento.executed.tool_calls",
+    "asiento.replayed.model_calls",
+    "asiento.replayed.tool_calls",
+    "asiento.repaid.model_calls",
+    "asiento.saved.input_tokens",
+    "asiento.saved.output_tokens",
+    "asiento.saved.cost",
+)
+
+
+def _counts(stats: RunStats) -> tuple[float, ...]:
+    return (
+        stats.model_calls,
+        stats.tool_calls,
+        stats.model_calls_replayed,
+        stats.tool_calls_replayed,
+        stats.model_calls_repaid,
+        stats.input_tokens_saved,
+        stats.output_tokens_saved,
+        stats.cost_saved,
+    )
+
+
+def _new_context() -> TraceContext:
+    """The run's trace: the caller's current one (a web request's, say), else a new one."""
+    from opentelemetry import trace
+
+    current = trace.get_current_span().get_span_context()
+    if current.is_valid:
+        flags = int(current.trace_flags)
+        return TraceContext(
+            traceparent=f"00-{current.trace_id:032x}-{current.span_id:016x}-{flags:02x}",
+            tracestate=current.trace_state.to_header() if current.trace_state else "",
+        )
+    trace_id = int.from_bytes(secrets.token_bytes(16), "big") or 1
+    root = _digest_id(trace_id, "run")
+    return TraceContext(traceparent=f"00-{trace_id:032x}-{root:016x}-01")
+
+
+def _cause(events: Sequence[StepEvent], died: Sequence[int]) -> str:
+    """Why the pass began: the run's first, after a person decided, after a death, or resumed."""
+    steps = [e for e in events if not step_ids.is_trace(e.step_id)]
+    if not steps:
+        return "first"
+    if steps[-1].phase in _DECIDED:
+        return "decided"
+    return "taken_over" if died else "resumed"
+
+
+def _provider(gateway: object) -> str:
+    kind = type(gateway).__name__.lower()
+    for name in ("openai", "anthropic"):
+        if name in kind:
+            return name
+    return str(getattr(gateway, "provider_name", "") or kind.removesuffix("gateway") or "unknown")
+
+
+def _failed(span: Span, exc: BaseException) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    span.set_attribute("error.type", type(exc).__qualname__)
+    span.set_status(Status(StatusCode.ERROR, str(exc)[:500]))
