@@ -113,6 +113,26 @@ class _ChosenIds:
         return chosen if chosen is not None else int(self.inner.generate_trace_id())
 
 
+# The span of the step under way (a model call, a tool): what its requests carry on.
+_STEP: ContextVar[Span | None] = ContextVar("asiento_step_span", default=None)
+
+
+def step_traceparent() -> dict[str, str]:
+    """The W3C trace headers of the step under way (``traceparent``, ``tracestate``), for a
+    request the step sends (a model request, an MCP call's ``_meta``); empty when untraced."""
+    span = _STEP.get()
+    if span is None:
+        return {}
+    context = span.get_span_context()
+    headers = {
+        "traceparent": f"00-{context.trace_id:032x}-{context.span_id:016x}-"
+        f"{int(context.trace_flags):02x}"
+    }
+    if context.trace_state:
+        headers["tracestate"] = context.trace_state.to_header()
+    return headers
+
+
 _TRACERS: WeakKeyDictionary[Any, Tracer] = WeakKeyDictionary()
 
 
@@ -360,12 +380,14 @@ class PassTrace:
             trace.SpanKind.CLIENT,
             attributes,
         )
+        step = _STEP.set(self._model)
         try:
             yield
         except BaseException as exc:
             _failed(self._model, exc)
             raise
         finally:
+            _STEP.reset(step)
             self._model.end()
             self._model = None
 
@@ -422,6 +444,7 @@ class PassTrace:
             trace.SpanKind.INTERNAL,
             attributes,
         )
+        step = _STEP.set(self._tool)
         try:
             yield
         except BaseException as exc:
@@ -432,6 +455,7 @@ class PassTrace:
             _failed(self._tool, exc)
             raise
         finally:
+            _STEP.reset(step)
             self._tool.end()
             self._tool = None
 
