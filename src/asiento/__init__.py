@@ -72,6 +72,7 @@ from .streaming import (
     TextPart,
     ToolCallPart,
 )
+from .telemetry.tracing import Telemetry
 from .tools import Tool, tool
 from .worker import App, Worker, submit
 
@@ -152,6 +153,7 @@ __all__ = [
     "StreamPart",
     "StreamRestart",
     "StreamingGateway",
+    "Telemetry",
     "TextPart",
     "Tool",
     "ToolAnswerLost",
