@@ -11,6 +11,9 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from journal import pg_server
 from sqlite_files import Journal
@@ -46,3 +49,14 @@ def pg_cluster() -> Iterator[pg_server.Cluster]:
 def pg_dsn(pg_cluster: pg_server.Cluster) -> str:
     """The DSN of a new, empty schema on the session's server (its application_name too)."""
     return pg_cluster.new_dsn()
+
+
+@pytest.fixture(scope="session")
+def reader() -> InMemoryMetricReader:
+    """The SDK's in-memory reader, on the process's global MeterProvider (set once)."""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    metrics.set_meter_provider(provider)
+    if metrics.get_meter_provider() is not provider:
+        pytest.fail("something set the global MeterProvider before this fixture")
+    return reader

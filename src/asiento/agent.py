@@ -932,8 +932,10 @@ def _status_after(step: Step | StreamEvent, status: str) -> str:
     """How the pass leaves the run, as the steps it yielded say (traces)."""
     if isinstance(step, FinalStep):
         return "closed"
-    if isinstance(step, ApprovalStep | BudgetStep):
-        return "suspended"
+    if isinstance(step, ApprovalStep):
+        return "awaiting_approval"
+    if isinstance(step, BudgetStep):
+        return "over_budget"
     return status
 
 

@@ -22,9 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
-from opentelemetry import metrics
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client.parser import text_string_to_metric_families
 
 from asiento import (
@@ -42,8 +40,8 @@ from asiento import (
 from asiento.journal.base import Checkpointer
 from asiento.lease import Holder
 from asiento.testing import ScriptedGateway
+from otel_readings import Key, figures, grew, histogram
 
-Key = tuple[str, tuple[tuple[str, Any], ...]]
 RELEASES: Key = ("asiento_worker_commits_total", (("operation", "release"),))
 
 APP = '''
@@ -66,45 +64,6 @@ async def pay(amount: int) -> str:
 
 app = App(agents={"billing": Agent(tools=[pay])}, gateway=lambda: ScriptedGateway(SCRIPT))
 '''
-
-
-@pytest.fixture(scope="session")
-def reader() -> InMemoryMetricReader:
-    """The SDK's in-memory reader, on the process's global MeterProvider (set once)."""
-    reader = InMemoryMetricReader()
-    provider = MeterProvider(metric_readers=[reader])
-    metrics.set_meter_provider(provider)
-    if metrics.get_meter_provider() is not provider:
-        pytest.fail("another test set the global MeterProvider before this module")
-    return reader
-
-
-def figures(reader: InMemoryMetricReader) -> dict[Key, Any]:
-    """Every data point now: a sum or gauge's value, a histogram's (count, sum, max)."""
-    found: dict[Key, Any] = {}
-    data = reader.get_metrics_data()
-    for resource in data.resource_metrics if data else ():
-        for scope in resource.scope_metrics:
-            for metric in scope.metrics:
-                for point in metric.data.data_points:
-                    key = (metric.name, tuple(sorted(point.attributes.items())))
-                    if isinstance(point, HistogramDataPoint):
-                        found[key] = (point.count, point.sum, point.max)
-                    else:
-                        found[key] = point.value
-    return found
-
-
-def grew(before: dict[Key, Any], after: dict[Key, Any], name: str, **attrs: str) -> float:
-    """How much a counter (or up-down counter) moved between two readings."""
-    key = (name, tuple(sorted(attrs.items())))
-    return float(after.get(key, 0)) - float(before.get(key, 0))
-
-
-def histogram(before: dict[Key, Any], after: dict[Key, Any], name: str) -> tuple[int, float]:
-    """A histogram's new records between two readings: (count, the largest one ever)."""
-    count, _, worst = after.get((name, ()), (0, 0.0, 0.0))
-    return count - before.get((name, ()), (0, 0.0, 0.0))[0], worst
 
 
 async def charged(store: Checkpointer, run_id: str, claims: int) -> None:

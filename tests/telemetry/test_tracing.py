@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from opentelemetry import trace
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -29,6 +30,7 @@ from asiento import (
 )
 from asiento.telemetry import tracing
 from asiento.testing import ScriptedGateway
+from otel_readings import figures, grew
 
 SENT: list[str] = []
 
@@ -150,7 +152,7 @@ async def test_a_resumed_pass_joins_the_trace_and_replays_without_spans(
     assert isinstance(steps[-1], ApprovalStep)
     first = exporter.get_finished_spans()
     [pass1] = _named(first, "invoke_agent")
-    assert _attrs(pass1)["asiento.run.status"] == "suspended"
+    assert _attrs(pass1)["asiento.run.status"] == "awaiting_approval"
     store = SqliteCheckpointer(path)
     await approve(store, "r1", "m1.t1", by="ana")
     await store.close()
@@ -260,3 +262,45 @@ async def test_telemetry_off_records_and_emits_nothing(
 def test_a_wrong_telemetry_value_is_refused() -> None:
     with pytest.raises(UsageError, match=r"Agent\(telemetry=...\) takes True, False or Telemetry"):
         Agent(telemetry="yes")  # type: ignore[arg-type]
+
+
+async def test_a_traced_run_reports_its_steps_in_metrics(
+    tmp_path: Path,
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+    reader: InMemoryMetricReader,
+) -> None:
+    """Model calls paid (duration, tokens), tools run (by outcome), passes by cause and by
+    how they ended; a pass that only replays adds no model call and no tool."""
+    provider, _ = spans
+    agent = Agent(
+        tools=[send],
+        policy=require_approval_for("send"),
+        telemetry=Telemetry(tracer_provider=provider),
+    )
+    gateway, path = ScriptedGateway(_answers()), tmp_path / "j.db"
+    before = figures(reader)
+    await _drive(agent, "r1", gateway, path)
+    store = SqliteCheckpointer(path)
+    await approve(store, "r1", "m1.t1", by="ana")
+    await store.close()
+    await _drive(agent, "r1", gateway, path)
+    after = figures(reader)
+    chat = (("gen_ai.operation.name", "chat"), ("gen_ai.provider.name", "scripted"))
+    calls = after[("gen_ai.client.operation.duration", chat)][0]
+    calls -= before.get(("gen_ai.client.operation.duration", chat), (0,))[0]
+    assert calls == len(gateway.calls) == 2
+    tokens = (*chat, ("gen_ai.token.type", "input"))
+    spent = after[("gen_ai.client.token.usage", tokens)][1]
+    spent -= before.get(("gen_ai.client.token.usage", tokens), (0, 0))[1]
+    assert spent == 22
+    ran = (("asiento.outcome", "approved"), ("gen_ai.tool.name", "send"))
+    assert (
+        after[("asiento.tool.duration", ran)][0]
+        - before.get(("asiento.tool.duration", ran), (0,))[0]
+        == 1
+    )
+    assert grew(before, after, "asiento.passes", **{"asiento.pass.cause": "first"}) == 1
+    assert grew(before, after, "asiento.passes", **{"asiento.pass.cause": "decided"}) == 1
+    ended = {"asiento.run.status": "awaiting_approval"}
+    assert grew(before, after, "asiento.passes.ended", **ended) == 1
+    assert grew(before, after, "asiento.passes.ended", **{"asiento.run.status": "closed"}) == 1

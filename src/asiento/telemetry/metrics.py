@@ -31,6 +31,39 @@ WRITES: Final = ("append", "claim", "release", "renew", "set_status")
 # Seconds: from a few milliseconds late to later than any lease should tolerate.
 _LAG_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _WAIT_BUCKETS: Final = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# The GenAI conventions' advice for gen_ai.client.operation.duration and token.usage.
+_CALL_BUCKETS: Final = (
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)
+_TOKEN_BUCKETS: Final = (
+    1,
+    4,
+    16,
+    64,
+    256,
+    1024,
+    4096,
+    16384,
+    65536,
+    262144,
+    1048576,
+    4194304,
+    16777216,
+    67108864,
+)
 
 
 class _WorstLag:
@@ -82,6 +115,33 @@ class _Instruments:
         )
         self.parked = meter.create_counter(
             "asiento.runs.parked", "{run}", "Runs this process parked, by cause."
+        )
+        # A traced run's steps and passes (Agent(telemetry=...)): docs/observability.md.
+        self.model_duration = meter.create_histogram(
+            "gen_ai.client.operation.duration",
+            "s",
+            "How long a model call a pass paid for took (replayed calls are not calls).",
+            explicit_bucket_boundaries_advisory=_CALL_BUCKETS,
+        )
+        self.model_tokens = meter.create_histogram(
+            "gen_ai.client.token.usage",
+            "{token}",
+            "Tokens a paid model call was billed for, by type (input, output).",
+            explicit_bucket_boundaries_advisory=_TOKEN_BUCKETS,
+        )
+        self.tool_duration = meter.create_histogram(
+            "asiento.tool.duration",
+            "s",
+            "How long a tool that ran took, by tool and outcome.",
+            explicit_bucket_boundaries_advisory=_CALL_BUCKETS,
+        )
+        self.passes = meter.create_counter(
+            "asiento.passes", "{pass}", "Passes over runs, by why they began."
+        )
+        self.passes_ended = meter.create_counter(
+            "asiento.passes.ended",
+            "{pass}",
+            "Passes by how they left the run (closed, awaiting_approval, uncertain...).",
         )
         self.quota_wait = meter.create_histogram(
             "asiento.quota.wait",
@@ -145,6 +205,37 @@ def quota_waited(seconds: float) -> None:
     """A request waited ``seconds`` in a ``Quota`` before it could be sent."""
     if _ON is not None:
         _ON.quota_wait.record(max(seconds, 0.0))
+
+
+def model_called(
+    seconds: float, attributes: dict[str, Any], tokens: tuple[int, int] | None
+) -> None:
+    """A paid model call took ``seconds``; ``tokens`` (input, output) when it answered."""
+    if _ON is None:
+        return
+    _ON.model_duration.record(max(seconds, 0.0), attributes)
+    if tokens is not None:
+        for kind, count in zip(("input", "output"), tokens, strict=True):
+            _ON.model_tokens.record(count, {**attributes, "gen_ai.token.type": kind})
+
+
+def tool_ran(seconds: float, tool: str, outcome: str) -> None:
+    """A tool ran for ``seconds`` and ended ``outcome`` (applied, failed, uncertain...)."""
+    if _ON is not None:
+        attributes = {"gen_ai.tool.name": tool, "asiento.outcome": outcome}
+        _ON.tool_duration.record(max(seconds, 0.0), attributes)
+
+
+def pass_began(cause: str) -> None:
+    """A traced pass began, for ``cause`` (first, resumed, decided, taken_over)."""
+    if _ON is not None:
+        _ON.passes.add(1, {"asiento.pass.cause": cause})
+
+
+def pass_ended(status: str) -> None:
+    """A traced pass ended, leaving its run ``status``."""
+    if _ON is not None:
+        _ON.passes_ended.add(1, {"asiento.run.status": status})
 
 
 def counted(store: Checkpointer) -> Checkpointer:

@@ -36,6 +36,7 @@ from .. import step_ids
 from ..errors import UsageError
 from ..events import Decision, Phase, StepEvent
 from ..payloads import ModelResult, Outcome, PassMark, TraceContext
+from . import metrics
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -196,15 +197,22 @@ class PassTrace:
         self.begun = False
         self.marked = False
         self._model: Span | None = None
+        self._tokens: tuple[int, int] | None = None  # the paid call's, for its metrics
+        self._outcome = "unsent"
         self._tool: Span | None = None
 
     # the run's context and the pass's span
 
     def begin(self, events: Sequence[StepEvent]) -> tuple[list[StepEvent], list[StepEvent]]:
         """Open the pass's span: records to commit before anything else (the run's trace
-        context, new), and records that ride the pass's next commit (its marks)."""
+        context, new, and the marks), and records that ride the pass's next commit (none).
+
+        The pass's begin mark is durable before the pass exports any span: a pass killed
+        after its first model call ended (its ``chat`` span exported) and before its first
+        step commit would otherwise leave no mark, so no stand-in and an orphaned span.
+        On the run's first pass it shares the trace context's commit; a later pass pays
+        one commit for it."""
         from opentelemetry import trace
-        from opentelemetry.trace import Link, SpanContext, TraceFlags
 
         self.begun = True
         journal = {(e.step_id, e.phase): e for e in events}
@@ -227,19 +235,11 @@ class PassTrace:
             began = PassMark.from_json(
                 journal[(step_ids.pass_mark(fence), Phase.SUBMITTED)].payload
             )
-            self._stand_in(fence, began, last_at)
+            self._stand_in(fence, began, last_at, self._link_before(fence, earlier))
             ended = PassMark(at=last_at, status="died", died=True)
-            later.append(self._event(step_ids.pass_mark(fence), Phase.RESULT, ended.to_json()))
+            now.append(self._event(step_ids.pass_mark(fence), Phase.RESULT, ended.to_json()))
         cause = _cause(events, died)
-        links = []
-        if earlier:
-            previous = SpanContext(
-                self.trace_id,
-                _digest_id(self.trace_id, "pass", earlier[-1]),
-                is_remote=True,
-                trace_flags=TraceFlags(TraceFlags.SAMPLED),
-            )
-            links.append(Link(previous, {"asiento.link": "previous_pass"}))
+        links = self._link_before(self.fence, earlier)
         self.span = self._start(
             f"invoke_agent {self.agent}".strip(),
             _digest_id(self.trace_id, "pass", self.fence),
@@ -255,10 +255,26 @@ class PassTrace:
             },
             links=links,
         )
+        metrics.pass_began(cause)
         mark = PassMark(at=time.time(), cause=cause, by=self.holder)
-        later.append(self._event(step_ids.pass_mark(self.fence), Phase.SUBMITTED, mark.to_json()))
+        now.append(self._event(step_ids.pass_mark(self.fence), Phase.SUBMITTED, mark.to_json()))
         self.marked = True
         return now, later
+
+    def _link_before(self, fence: int, earlier: Sequence[int]) -> list[Any]:
+        """The link of pass ``fence``'s span to the traced pass before it (none for the first)."""
+        from opentelemetry.trace import Link, SpanContext, TraceFlags
+
+        before = [f for f in earlier if f < fence]
+        if not before:
+            return []
+        previous = SpanContext(
+            self.trace_id,
+            _digest_id(self.trace_id, "pass", before[-1]),
+            is_remote=True,
+            trace_flags=TraceFlags(TraceFlags.SAMPLED),
+        )
+        return [Link(previous, {"asiento.link": "previous_pass"})]
 
     def _join(self, context: TraceContext) -> None:
         from opentelemetry import trace
@@ -282,7 +298,7 @@ class PassTrace:
             )
         )
 
-    def _stand_in(self, fence: int, began: PassMark, ended_at: float) -> None:
+    def _stand_in(self, fence: int, began: PassMark, ended_at: float, links: Sequence[Any]) -> None:
         from opentelemetry import trace
         from opentelemetry.trace import Status, StatusCode
 
@@ -300,6 +316,7 @@ class PassTrace:
                 "asiento.worker": began.by,
                 "asiento.pass.died": True,
             },
+            links=links,
             start=began.at,
         )
         span.set_status(Status(StatusCode.ERROR, "the pass's process died"))
@@ -321,6 +338,7 @@ class PassTrace:
             span.set_attribute("error.type", type(error).__qualname__)
             span.set_status(Status(StatusCode.ERROR, str(error)[:500]))
         span.end()
+        metrics.pass_ended(status)
         if status == "closed":
             self._run_span()
         if not self.marked:
@@ -380,16 +398,22 @@ class PassTrace:
             trace.SpanKind.CLIENT,
             attributes,
         )
-        step = _STEP.set(self._model)
+        step, began, error = _STEP.set(self._model), time.monotonic(), None
         try:
             yield
         except BaseException as exc:
             _failed(self._model, exc)
+            error = type(exc).__qualname__
             raise
         finally:
             _STEP.reset(step)
             self._model.end()
             self._model = None
+            measured: dict[str, Any] = {k: attributes[k] for k in _MODEL_METRIC if k in attributes}
+            if error is not None:
+                measured["error.type"] = error
+            metrics.model_called(time.monotonic() - began, measured, self._tokens)
+            self._tokens = None
 
     def answered(self, result: ModelResult) -> None:
         """What the generation cost, on its span (called before it is recorded)."""
@@ -397,6 +421,7 @@ class PassTrace:
         if span is None:
             return
         response, usage = result.response, result.response.usage
+        self._tokens = (usage.input_tokens, usage.output_tokens)
         if response.model:
             span.set_attribute("gen_ai.response.model", response.model)
         if response.request_id:
@@ -444,20 +469,22 @@ class PassTrace:
             trace.SpanKind.INTERNAL,
             attributes,
         )
-        step = _STEP.set(self._tool)
+        step, began = _STEP.set(self._tool), time.monotonic()
         try:
             yield
         except BaseException as exc:
             from ..errors import UncertainEffect
 
-            outcome = "uncertain" if isinstance(exc, UncertainEffect) else "unsent"
-            self._tool.set_attribute("asiento.outcome", outcome)
+            self._outcome = "uncertain" if isinstance(exc, UncertainEffect) else "unsent"
+            self._tool.set_attribute("asiento.outcome", self._outcome)
             _failed(self._tool, exc)
             raise
         finally:
             _STEP.reset(step)
             self._tool.end()
             self._tool = None
+            metrics.tool_ran(time.monotonic() - began, name, self._outcome)
+            self._outcome = "unsent"
 
     def executed(self, outcome: Outcome, decision: Decision) -> None:
         """How the tool ended, on its span (before the outcome is recorded)."""
@@ -468,10 +495,11 @@ class PassTrace:
 
         if outcome.status == "ok":
             applied = "approved" if decision is Decision.APPROVED else "applied"
-            span.set_attribute(
-                "asiento.outcome", "reconciled" if outcome.via == "lookup" else applied
-            )
+            found = outcome.via == "lookup"  # the destination had it: found, not applied again
+            self._outcome = "reconciled" if found else applied
+            span.set_attribute("asiento.outcome", self._outcome)
         else:
+            self._outcome = "failed"
             span.set_attribute("asiento.outcome", "failed")
             span.set_attribute("error.type", "tool_error")
             span.set_status(Status(StatusCode.ERROR, (outcome.error or "")[:500]))
@@ -562,6 +590,7 @@ def for_pass(
 
 # -- helpers ----------------------------------------------------------------------------
 
+_MODEL_METRIC: Final = ("gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model")
 _COUNTED: Final = (
     "asiento.executed.model_calls",
     "asiento.executed.tool_calls",
@@ -606,8 +635,8 @@ def _new_context() -> TraceContext:
 def _cause(events: Sequence[StepEvent], died: Sequence[int]) -> str:
     """Why the pass began: the run's first, after a person decided, after a death, or resumed."""
     steps = [e for e in events if not step_ids.is_trace(e.step_id)]
-    if not steps:
-        return "first"
+    if not steps:  # none recorded yet: the run's first pass, or one after it died early
+        return "taken_over" if died else "first"
     if steps[-1].phase in _DECIDED:
         return "decided"
     return "taken_over" if died else "resumed"
