@@ -9,6 +9,7 @@ run that keeps crashing its workers is parked with the reason recorded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -17,13 +18,20 @@ from typing import Protocol, TypeVar
 
 from . import shutdown
 from .agent import Agent
-from .errors import LeaseLost, RunAbandoned, UncertainEffect, UsageError
+from .errors import (
+    DuplicateRecord,
+    LeaseLost,
+    RunAbandoned,
+    RunClosed,
+    UncertainEffect,
+    UsageError,
+)
 from .events import ApprovalStep, Claim, FinalStep, RunStatus, Step
 from .journal.base import Checkpointer
 from .lease import Holder
 from .model import Gateway
 from .session import Session
-from .telemetry import metrics
+from .telemetry import metrics, tracing
 from .tools import check_timeout, tool_threads_at_least
 
 log = logging.getLogger("asiento.worker")
@@ -37,10 +45,18 @@ _CUT_SECONDS = 5.0
 
 
 async def submit(store: Checkpointer, run_id: str, task: str, *, agent: str = "default") -> None:
-    """Queue a run for the workers; ``agent`` names which of the app's agents drives it."""
+    """Queue a run for the workers; ``agent`` names which of the app's agents drives it.
+
+    Submitted under a span of the caller's (a web request's, say), the run's trace is
+    that span's: its passes join the caller's trace (docs/observability.md).
+    """
     if not isinstance(task, str):
         raise UsageError("submit(task=...) must be a str")
     await store.submit(run_id, task, agent=agent)
+    caller = tracing.caller_context()
+    if caller is not None:  # a pass that began meanwhile keeps the trace it recorded
+        with contextlib.suppress(DuplicateRecord, RunClosed):
+            await store.append(tracing.context_record(run_id, caller))
 
 
 class Drivable(Protocol):

@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from asiento import (
     Agent,
+    App,
     ApprovalStep,
     ModelResponse,
     Session,
@@ -24,8 +25,10 @@ from asiento import (
     ToolCall,
     Usage,
     UsageError,
+    Worker,
     approve,
     require_approval_for,
+    submit,
     tool,
 )
 from asiento.telemetry import tracing
@@ -304,3 +307,29 @@ async def test_a_traced_run_reports_its_steps_in_metrics(
     ended = {"asiento.run.status": "awaiting_approval"}
     assert grew(before, after, "asiento.passes.ended", **ended) == 1
     assert grew(before, after, "asiento.passes.ended", **{"asiento.run.status": "closed"}) == 1
+
+
+async def test_a_run_submitted_under_a_span_is_traced_in_that_trace(
+    tmp_path: Path, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    """submit() inside a caller's span (a web request) records that span as the run's
+    trace: the worker's pass, later and elsewhere, joins it."""
+    provider, exporter = spans
+    store = SqliteCheckpointer(tmp_path / "j.db")
+    with provider.get_tracer("web").start_as_current_span("POST /runs") as request:
+        await submit(store, "r1", "write to ana")
+    await submit(store, "r2", "write to ana")  # no caller span: nothing recorded
+    assert [e.step_id for e in await store.load("r2")] == []
+    agent = Agent(tools=[send], name="mailer", telemetry=Telemetry(tracer_provider=provider))
+    app = App(agents={"default": agent}, gateway=lambda: ScriptedGateway(_answers()))
+    worker = Worker(store, app, poll=0.01)
+    await worker.run(until_idle=True, max_seconds=20)
+    await store.close()
+    by_run: dict[str, set[int]] = {}
+    for span in exporter.get_finished_spans():
+        run = _attrs(span).get("asiento.run.id")
+        if run is not None:
+            by_run.setdefault(str(run), set()).add(span.context.trace_id)
+    assert by_run["r1"] == {request.get_span_context().trace_id}
+    assert len(by_run["r2"]) == 1
+    assert by_run["r2"] != by_run["r1"]

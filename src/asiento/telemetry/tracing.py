@@ -220,7 +220,7 @@ class PassTrace:
         recorded = journal.get((step_ids.TRACE, Phase.RESULT))
         if recorded is None:
             context = _new_context()
-            now.append(self._event(step_ids.TRACE, Phase.RESULT, context.to_json()))
+            now.append(context_record(self.run_id, context))
             self.run_began = time.time()
         else:
             context = TraceContext.from_json(recorded.payload)
@@ -616,17 +616,35 @@ def _counts(stats: RunStats) -> tuple[float, ...]:
     )
 
 
+def caller_context() -> TraceContext | None:
+    """The caller's current span as a run's trace context (a web request that submits a
+    run, say); None without one, or without the OpenTelemetry API."""
+    try:
+        from opentelemetry import trace
+    except ImportError:
+        return None
+    current = trace.get_current_span().get_span_context()
+    if not current.is_valid:
+        return None
+    flags = int(current.trace_flags)
+    return TraceContext(
+        traceparent=f"00-{current.trace_id:032x}-{current.span_id:016x}-{flags:02x}",
+        tracestate=current.trace_state.to_header() if current.trace_state else "",
+    )
+
+
+def context_record(run_id: str, context: TraceContext) -> StepEvent:
+    """The journal record of a run's trace context."""
+    return StepEvent(
+        run_id=run_id, step_id=step_ids.TRACE, phase=Phase.RESULT, payload=context.to_json()
+    )
+
+
 def _new_context() -> TraceContext:
     """The run's trace: the caller's current one (a web request's, say), else a new one."""
-    from opentelemetry import trace
-
-    current = trace.get_current_span().get_span_context()
-    if current.is_valid:
-        flags = int(current.trace_flags)
-        return TraceContext(
-            traceparent=f"00-{current.trace_id:032x}-{current.span_id:016x}-{flags:02x}",
-            tracestate=current.trace_state.to_header() if current.trace_state else "",
-        )
+    caller = caller_context()
+    if caller is not None:
+        return caller
     trace_id = int.from_bytes(secrets.token_bytes(16), "big") or 1
     root = _digest_id(trace_id, "run")
     return TraceContext(traceparent=f"00-{trace_id:032x}-{root:016x}-01")
