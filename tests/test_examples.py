@@ -92,6 +92,18 @@ FIGURES: dict[str, list[str]] = {
         r"status in the index: closed\n",
         r"a worker afterwards: found work False, claimed 0, model calls and payments 0 ",
     ],
+    "15_trazas": [
+        r"1\s+killed by SIGKILL\s+1\s+1",
+        r"2\s+exit 0\s+1\s+0",
+        r"3\s+exit 0\s+0\s+0",
+        r"invoke_agent facturas  \[pass\.fence=1, pass\.cause=first, pass\.died=True\]",
+        r"invoke_agent facturas  \[pass\.fence=2, pass\.cause=taken_over, run\.status=closed, "
+        r"replayed\.model_calls=1, replayed\.tool_calls=1\]",
+        r"trace ids: 1",
+        r"chat spans: 2, generations the model answered: 2",
+        r"execute_tool spans: 1, invoices issued: 1",
+        r"spans whose parent is missing: 0",
+    ],
     "14_streaming": [
         r"1\s+killed by SIGKILL\s+1\s+killed by SIGKILL",
         r"2\s+exit 0\s+1\s+StreamRestart\(m1, attempt 2\) · \d+ deltas · ModelStep · "
