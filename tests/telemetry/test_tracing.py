@@ -18,6 +18,7 @@ from asiento import (
     Agent,
     App,
     ApprovalStep,
+    Delta,
     ModelResponse,
     Session,
     SqliteCheckpointer,
@@ -32,7 +33,7 @@ from asiento import (
     tool,
 )
 from asiento.telemetry import tracing
-from asiento.testing import ScriptedGateway
+from asiento.testing import ScriptedGateway, StreamingScriptedGateway
 from otel_readings import figures, grew
 
 SENT: list[str] = []
@@ -333,3 +334,35 @@ async def test_a_run_submitted_under_a_span_is_traced_in_that_trace(
     assert by_run["r1"] == {request.get_span_context().trace_id}
     assert len(by_run["r2"]) == 1
     assert by_run["r2"] != by_run["r1"]
+
+
+async def test_a_stream_asked_again_after_a_cut_is_a_new_span_marked_reask(
+    tmp_path: Path, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    """Pass 1 stops reading its stream mid-answer (the generation was paid, and lost);
+    pass 2 asks again: a second chat span, marked a re-ask, with what was re-paid."""
+    provider, exporter = spans
+    agent = Agent(telemetry=Telemetry(tracer_provider=provider))
+    gateway = StreamingScriptedGateway([ModelResponse(text="a long answer " * 8)], chunk=4)
+    store = SqliteCheckpointer(tmp_path / "j.db")
+    stream = agent.run("talk", session=Session("r1", gateway, store), stream=True)
+    shown = 0
+    async for item in stream:
+        shown += isinstance(item, Delta)
+        if shown == 3:
+            break
+    await stream.aclose()  # type: ignore[attr-defined]
+    [cut] = _named(exporter.get_finished_spans(), "chat")
+    assert "asiento.reask" not in _attrs(cut)
+    exporter.clear()
+    async for _ in agent.run("talk", session=Session("r1", gateway, store), stream=True):
+        pass
+    await store.close()
+    found = exporter.get_finished_spans()
+    [again] = _named(found, "chat")
+    assert len(gateway.calls) == 2
+    assert _attrs(again)["asiento.reask"] is True
+    assert _attrs(again)["asiento.repaid"] == 1
+    assert again.context.span_id != cut.context.span_id  # another attempt, another span
+    [second_pass] = [s for s in found if "asiento.pass.fence" in _attrs(s)]
+    assert _attrs(second_pass)["asiento.repaid.model_calls"] == 1

@@ -398,7 +398,8 @@ class PassTrace:
             trace.SpanKind.CLIENT,
             attributes,
         )
-        step, began, error = _STEP.set(self._model), time.monotonic(), None
+        outer, began, error = _STEP.get(), time.monotonic(), None
+        _STEP.set(self._model)
         try:
             yield
         except BaseException as exc:
@@ -406,7 +407,7 @@ class PassTrace:
             error = type(exc).__qualname__
             raise
         finally:
-            _STEP.reset(step)
+            _STEP.set(outer)  # not reset(): a stream may be closed from another context
             self._model.end()
             self._model = None
             measured: dict[str, Any] = {k: attributes[k] for k in _MODEL_METRIC if k in attributes}
@@ -469,7 +470,8 @@ class PassTrace:
             trace.SpanKind.INTERNAL,
             attributes,
         )
-        step, began = _STEP.set(self._tool), time.monotonic()
+        outer, began = _STEP.get(), time.monotonic()
+        _STEP.set(self._tool)
         try:
             yield
         except BaseException as exc:
@@ -480,7 +482,7 @@ class PassTrace:
             _failed(self._tool, exc)
             raise
         finally:
-            _STEP.reset(step)
+            _STEP.set(outer)  # not reset(): a stream may be closed from another context
             self._tool.end()
             self._tool = None
             metrics.tool_ran(time.monotonic() - began, name, self._outcome)
