@@ -229,7 +229,9 @@ class _Pass:
         try:
             async with self.session.driving() as lease:
                 self.lease = lease
-                self.trace = self._trace(lease)
+                self.trace = tracing.for_pass(
+                    self.agent.telemetry, self.agent.name, self.session, lease
+                )
                 status, error = "stopped", None
                 try:
                     async for step in self._walks():
@@ -240,7 +242,7 @@ class _Pass:
                     raise
                 finally:
                     await self._keep_what_happened()
-                    await self._trace_ends(status, error)
+                    await self.trace.close(status, error, self.store, lease)
         except LeaseLost as exc:
             abandoned = await self._abandonment()
             if abandoned is None:
@@ -301,33 +303,6 @@ class _Pass:
         except AsientoError as exc:
             log.warning("run %r: could not record the last outcomes: %s", self.run_id, exc)
 
-    def _trace(self, lease: Lease) -> tracing.PassTrace | tracing.Off:
-        holder = replace(self.session.holder, owner=lease.owner).describe()
-        return tracing.for_pass(
-            self.agent.telemetry,
-            run_id=self.run_id,
-            agent=self.agent.name,
-            holder=holder,
-            fence=lease.token,
-            stats=self.stats,
-        )
-
-    async def _trace_begins(self, events: Sequence[StepEvent]) -> None:
-        """The pass's span opens; the run's trace context is durable before any step."""
-        now, later = self.trace.begin(events)
-        if now:
-            await self.store.append(*now, lease=self.lease)
-        self.pending.extend(later)
-
-    async def _trace_ends(self, status: str, error: BaseException | None) -> None:
-        ended = self.trace.end(status, error)
-        if ended is None:
-            return
-        try:
-            await self.store.append(ended, lease=self.lease)
-        except AsientoError as exc:  # the next pass stands in for this pass's span
-            log.warning("run %r: could not mark the end of its traced pass: %s", self.run_id, exc)
-
     def _closed(self, final: StepEvent) -> FinalStep:
         """A closed run answers with its recorded final step, and nothing else happens."""
         closed = Final.from_json(final.payload)
@@ -349,8 +324,8 @@ class _Pass:
             await self.store.set_status(self.run_id, RunStatus.CLOSED, lease=self.lease)
             yield self._closed(final)
             return
-        if self.trace.on and not self.trace.begun:
-            await self._trace_begins(events)
+        if not self.trace.begun:
+            self.pending.extend(await self.trace.open(events, self.store, self.lease))
         self._add(Message(role="user", content=self.task))
         for turn in range(1, self.agent.max_turns + 1):
             step_id = step_ids.model(turn)

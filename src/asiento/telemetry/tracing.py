@@ -21,8 +21,10 @@ their parent, and records its end.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
+import logging
 import os
 import secrets
 import time
@@ -33,8 +35,8 @@ from typing import TYPE_CHECKING, Any, Final
 from weakref import WeakKeyDictionary
 
 from .. import step_ids
-from ..errors import UsageError
-from ..events import Decision, Phase, StepEvent
+from ..errors import AsientoError, UsageError
+from ..events import Decision, Lease, Phase, StepEvent
 from ..payloads import ModelResult, Outcome, PassMark, TraceContext
 from . import metrics
 
@@ -42,8 +44,11 @@ if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.trace import Span, Tracer
 
+    from ..journal.base import Journal
     from ..model import ModelRequest
-    from ..session import RunStats
+    from ..session import RunStats, Session
+
+log = logging.getLogger("asiento")
 
 #: The GenAI semantic conventions' switch for prompt and completion content.
 CAPTURE_CONTENT: Final = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
@@ -202,6 +207,30 @@ class PassTrace:
         self._tool: Span | None = None
 
     # the run's context and the pass's span
+
+    async def open(
+        self, events: Sequence[StepEvent], store: Journal, lease: Lease | None
+    ) -> list[StepEvent]:
+        """Open the pass's span; the run's trace context is durable before any step.
+
+        What is returned rides the pass's next commit (its marks).
+        """
+        now, later = self.begin(events)
+        if now:
+            await store.append(*now, lease=lease)
+        return later
+
+    async def close(
+        self, status: str, error: BaseException | None, store: Journal, lease: Lease
+    ) -> None:
+        """End the pass's span and record its end mark (a commit of its own)."""
+        ended = self.end(status, error)
+        if ended is None:
+            return
+        try:
+            await store.append(ended, lease=lease)
+        except AsientoError as exc:  # the next pass stands in for this pass's span
+            log.warning("run %r: could not mark the end of its traced pass: %s", self.run_id, exc)
 
     def begin(self, events: Sequence[StepEvent]) -> tuple[list[StepEvent], list[StepEvent]]:
         """Open the pass's span: records to commit before anything else (the run's trace
@@ -555,6 +584,16 @@ class Off:
     on: Final = False
     begun: Final = True
 
+    async def open(
+        self, events: Sequence[StepEvent], store: Journal, lease: Lease | None
+    ) -> list[StepEvent]:
+        return []
+
+    async def close(
+        self, status: str, error: BaseException | None, store: Journal, lease: Lease
+    ) -> None:
+        return None
+
     def begin(self, events: Sequence[StepEvent]) -> tuple[list[StepEvent], list[StepEvent]]:
         return [], []
 
@@ -582,12 +621,20 @@ OFF: Final = Off()
 
 
 def for_pass(
-    config: Telemetry | None, *, run_id: str, agent: str, holder: str, fence: int, stats: RunStats
+    config: Telemetry | None, agent: str, session: Session, lease: Lease
 ) -> PassTrace | Off:
-    """The pass's trace, or ``OFF``."""
+    """The trace of the pass ``session`` drives under ``lease``, or ``OFF``."""
     if config is None:
         return OFF
-    return PassTrace(config, run_id=run_id, agent=agent, holder=holder, fence=fence, stats=stats)
+    holder = dataclasses.replace(session.holder, owner=lease.owner).describe()
+    return PassTrace(
+        config,
+        run_id=session.run_id,
+        agent=agent,
+        holder=holder,
+        fence=lease.token,
+        stats=session.stats,
+    )
 
 
 # -- helpers ----------------------------------------------------------------------------
