@@ -2,6 +2,7 @@
 
     python bench/step_overhead.py            # the fuller run (under 3 minutes)
     python bench/step_overhead.py --quick    # small N, few repetitions (under 20 s)
+    python bench/step_overhead.py --telemetry [--quick] [--before REV]   # traces off vs on
 
 Everything is measured in one run, on real SQLite files in a temporary
 directory (``--dir`` to choose it; fsync costs nothing on tmpfs):
@@ -23,6 +24,12 @@ Section 2 also times the same tool written as a plain ``def``: asiento runs a
 sync tool on a thread (it may block, and the event loop must stay free to renew
 the run's lease), and the hand-off between threads costs what the OS makes it cost.
 
+``--telemetry`` measures only what tracing costs a step (issue 24), in child processes
+taking turns: the same run with ``telemetry`` off, on (the SDK's ``TracerProvider``, a
+``BatchSpanProcessor`` to an exporter that discards), and "before", this bench on the
+package as it was at REV (``git archive REV src`` on PYTHONPATH; 6769d5a, the commit
+before tracing, unless ``--before`` says otherwise, ``--before none`` for no such row).
+
 It prints figures and ratios, never pass/fail on time. The targets (DESIGN.md,
 "Cost"): at most 2 commits per model+tool step, and time per step within 1.5x
 the raw floor.
@@ -35,6 +42,7 @@ import asyncio
 import gc
 import inspect
 import itertools
+import json
 import os
 import shutil
 import sqlite3
@@ -253,12 +261,17 @@ async def drive(
     watch_wal: bool = False,
     gateway: Callable[[int], Gateway] = scripted,
     tool_kind: str = "async",
+    telemetry: Any = None,
 ) -> Trace:
-    """One run of ``steps`` model+tool steps and a final answer (or stop after some)."""
+    """One run of ``steps`` model+tool steps and a final answer (or stop after some).
+
+    ``telemetry``: the ``Agent(telemetry=...)`` of a traced run; None passes nothing
+    (a package from before tracing has no such argument)."""
     store = CountingStore(SqliteCheckpointer(path, durability=durability))  # type: ignore[arg-type]
     trace = Trace(wal_base=wal_frames(path) if watch_wal else (0, 0))
     tools = [TOOLS[tool_kind]]
-    agent = Agent(instructions="You note numbers.", tools=tools, max_turns=steps + 1)
+    traced = {} if telemetry is None else {"telemetry": telemetry}
+    agent = Agent(instructions="You note numbers.", tools=tools, max_turns=steps + 1, **traced)
     session = Session(RUN_ID, gateway(steps), store)
     try:
         with gc_timer() as spent:
@@ -944,6 +957,153 @@ class Bench:
                 str(size.records)]  # fmt: skip
 
 
+# -- 6: what tracing costs (--telemetry) -------------------------------------------
+
+TRACING_BEFORE = "6769d5a"  # the last commit before tracing (issue 24)
+TELEMETRY_MODES = ("off", "on")
+TELEMETRY_TIMEOUT = 300.0  # seconds one child may take
+
+
+class DiscardingExporter:
+    """A ``SpanExporter`` that drops every span: what the SDK costs, not a backend."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+
+    def export(self, spans: Sequence[Any]) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        self.spans += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        return None
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+async def telemetry_child(mode: str, directory: Path, steps: int, reps: int) -> dict[str, Any]:
+    """What one child measures: ``reps`` runs of ``steps`` steps at each durability.
+
+    ``mode`` "off" passes no ``telemetry`` (so it runs on a package from before
+    tracing too); "on" an SDK provider whose batch processor feeds a discarding exporter.
+    """
+    provider, exporter, telemetry = None, None, None
+    if mode == "on":
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        from asiento.telemetry.tracing import Telemetry
+
+        exporter = DiscardingExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(exporter))  # type: ignore[arg-type]
+        telemetry = Telemetry(tracer_provider=provider)
+    out: dict[str, Any] = {"commits": 0, "spans": 0}
+    try:
+        await drive(directory / f"warm-{mode}-{os.getpid()}.db", "process", 5, telemetry=telemetry)
+        for durability in ("full", "process"):
+            for rep in range(reps):
+                path = directory / f"tel-{mode}-{durability}-{os.getpid()}-{rep}.db"
+                exported = exporter.spans if exporter is not None else 0
+                trace = await drive(path, durability, steps, telemetry=telemetry)
+                if provider is not None and exporter is not None:
+                    provider.force_flush()
+                    out["spans"] = exporter.spans - exported  # the spans of one run
+                out.setdefault(durability, []).append(trace.per_step())
+                out.setdefault(f"cpu-{durability}", []).append(trace.cpu_per_step())
+                out["commits"] = trace.total_commits
+    finally:
+        if provider is not None:
+            provider.shutdown()
+    return out
+
+
+def _telemetry_spawn(
+    src: Path | None, mode: str, directory: Path, steps: int, reps: int
+) -> dict[str, Any]:
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
+    argv = [sys.executable, __file__, "--telemetry-child", mode, "--steps", str(steps)]
+    argv += ["--reps", str(reps), "--dir", str(directory)]
+    done = subprocess.run(
+        argv, env=env, capture_output=True, text=True, timeout=TELEMETRY_TIMEOUT, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"telemetry child {mode} ({src or 'this checkout'}):\n{done.stderr}")
+    out: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return out
+
+
+def _unpacked(rev: str, folder: Path) -> Path:
+    """The package's ``src`` as it was at ``rev`` (``git archive``), under ``folder``."""
+    root = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", rev, "src"], capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    return folder / "src"
+
+
+def telemetry_table(cfg: Config, directory: Path, before: str | None) -> None:
+    """Section 6: ms per step with tracing off, on, and before tracing existed."""
+    rounds, reps, steps = max(cfg.reps // 2, 1), 2, cfg.steps
+    print(
+        f"asiento step overhead, telemetry off vs on: python {sys.version.split()[0]},"
+        f" SQLite {sqlite3.sqlite_version}, dir {directory} ({filesystem(directory)}),"
+        f" {os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f}"
+    )
+    rows: dict[str, tuple[Path | None, str]] = {}
+    if before:
+        tree = directory / "before"
+        tree.mkdir()
+        rows[f"before-{before}"] = (_unpacked(before, tree), "off")
+    rows |= {f"telemetry-{m}": (None, m) for m in TELEMETRY_MODES}
+    got: dict[str, dict[str, list[float]]] = {name: {} for name in rows}
+    commits, spans = {}, {}
+    for _ in range(rounds):  # the rows take turns, so drifting load hits each alike
+        for name, (src, mode) in rows.items():
+            out = _telemetry_spawn(src, mode, directory, steps, reps)
+            for key in ("full", "process", "cpu-full", "cpu-process"):
+                got[name].setdefault(key, []).extend(out[key])
+            commits[name], spans[name] = out["commits"], out["spans"]
+    med = {name: {k: _median(v) for k, v in cells.items()} for name, cells in got.items()}
+    off = med["telemetry-off"]
+    header = ["row", "ms/step_full", "ms/step_process", "cpu_ms/step_process", "vs_off_full",
+              "vs_off_process", "vs_off_cpu", "commits/run", "spans/run"]  # fmt: skip
+    table_rows = []
+    for name, cells in med.items():
+        table_rows.append([
+            name, f"{cells['full'] * 1e3:.3f}", f"{cells['process'] * 1e3:.3f}",
+            f"{cells['cpu-process'] * 1e3:.3f}", f"{cells['full'] / off['full']:.2f}x",
+            f"{cells['process'] / off['process']:.2f}x",
+            f"{cells['cpu-process'] / off['cpu-process']:.2f}x", str(commits[name]),
+            str(spans[name]),
+        ])  # fmt: skip
+    title = (
+        f"What tracing costs a model+tool step (N={steps}, median of {rounds * reps} runs in"
+        f" {rounds} rounds of child processes taking turns)"
+    )
+    table(title, header, table_rows)
+    on = med["telemetry-on"]
+    print(
+        "   telemetry-off: Agent() with no telemetry; telemetry-on: Telemetry(tracer_provider=)"
+        " an SDK TracerProvider,\n   BatchSpanProcessor to an exporter that discards"
+        " (2 spans a step: chat, execute_tool; the pass's and run's spans once).\n"
+        "   before-REV: this bench on the package at REV (git archive REV src on PYTHONPATH),"
+        " telemetry off.\n"
+        f"   on - off: {(on['full'] - off['full']) * 1e3:.3f} ms/step (full),"
+        f" {(on['process'] - off['process']) * 1e3:.3f} ms/step (process),"
+        f" {(on['cpu-process'] - off['cpu-process']) * 1e3:.3f} ms CPU/step (process).\n"
+        "   commits/run: a traced run's first pass commits its trace context and pass mark"
+        " before its first step (one more commit a pass)."
+    )
+
+
 async def main(cfg: Config, directory: Path, quick: bool) -> None:
     """Run every section in order and print the tables."""
     started = time.perf_counter()
@@ -988,6 +1148,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small N, few repetitions (< 20 s)")
     parser.add_argument("--dir", help="where to put the SQLite files (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the files afterwards")
+    parser.add_argument(
+        "--telemetry", action="store_true", help="only: a step with tracing off vs on (section 6)"
+    )
+    parser.add_argument(
+        "--before",
+        default=TRACING_BEFORE,
+        help=f"with --telemetry, also this git revision (default {TRACING_BEFORE}; 'none': not)",
+    )
+    parser.add_argument("--telemetry-child", choices=TELEMETRY_MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--reps", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--per-step", type=int, default=TARGET_COMMITS, help=argparse.SUPPRESS)
@@ -1000,12 +1170,23 @@ def run(argv: Sequence[str] | None = None) -> None:
     if args.child:
         child(args)
         return
+    if args.telemetry_child:
+        out = asyncio.run(
+            telemetry_child(args.telemetry_child, Path(args.dir), args.steps, args.reps)
+        )
+        print(json.dumps(out))
+        return
     base = Path(args.dir) if args.dir else None
     if base is not None:
         base.mkdir(parents=True, exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix="asiento-bench-", dir=base))
     try:
-        asyncio.run(main(QUICK if args.quick else FULL, directory, args.quick))
+        cfg = QUICK if args.quick else FULL
+        if args.telemetry:
+            before = None if args.before.lower() in ("", "none") else args.before
+            telemetry_table(cfg, directory, before)
+        else:
+            asyncio.run(main(cfg, directory, args.quick))
     finally:
         if args.keep:
             print(f"files kept in {directory}")

@@ -76,3 +76,23 @@ def test_worker_loop_bench_closes_every_run(tmp_path: Path) -> None:
         return
     row = next(line.split() for line in done.stdout.splitlines() if "this checkout" in line)
     assert row[2] == "9", done.stdout  # the 8 runs and the neighbour closed
+
+
+def test_telemetry_bench_measures_off_on_and_before(tmp_path: Path) -> None:
+    """`--telemetry --quick` runs the three rows; a traced run exports 2 spans a step."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--telemetry", "--quick", "--dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    off = _table_row(done.stdout, "spans/run", "telemetry-off")
+    on = _table_row(done.stdout, "spans/run", "telemetry-on")
+    before = _table_row(done.stdout, "spans/run", "before-6769d5a")
+    steps = 40  # QUICK: 41 chat spans, 40 execute_tool, the pass's and the run's
+    assert (off["spans/run"], on["spans/run"]) == ("0", str(2 * steps + 3)), done.stdout
+    assert int(on["commits/run"]) == int(off["commits/run"]) + 1 == int(before["commits/run"]) + 1
+    for row in (off, on, before):
+        assert float(row["ms/step_process"]) > 0, done.stdout
