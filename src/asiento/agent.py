@@ -46,6 +46,7 @@ from .events import (
     StepEvent,
     ToolStep,
 )
+from .journal.base import Checkpointer
 from .ledger import cost_of
 from .model import (
     ConversationPrefix,
@@ -58,7 +59,6 @@ from .model import (
 from .payloads import (
     SUBMITTED,
     Approval,
-    BudgetStop,
     Final,
     Intent,
     ModelResult,
@@ -244,7 +244,7 @@ class _Pass:
                     await self._keep_what_happened()
                     await self.trace.close(status, error, self.store, lease)
         except LeaseLost as exc:
-            abandoned = await self._abandonment()
+            abandoned = await _abandonment(self.store, self.run_id, self.unrecorded)
             if abandoned is None:
                 raise
             raise abandoned from exc
@@ -270,20 +270,6 @@ class _Pass:
                     yield step
                 self.chain = FingerprintChain(self.agent.head)
                 self.messages, self.journal = [], {}
-
-    async def _abandonment(self) -> RunAbandoned | None:
-        """The error for a lease lost to a person who abandoned the run, if that is what
-        happened (abandoning takes the run's fence)."""
-        try:
-            final = await self.store.final(self.run_id)
-        except AsientoError:
-            return None
-        closed = None if final is None else Final.from_json(final.payload)
-        if closed is None or not closed.abandoned:
-            return None
-        lost = {e.step_id for e in self.unrecorded if e.phase is Phase.RESULT}
-        text = closed.text or "abandoned"
-        return RunAbandoned(self.run_id, text, tuple(sorted(lost - {step_ids.FINAL})))
 
     async def _keep_what_happened(self) -> None:
         """Closed early (the caller stopped iterating, or an error): record what already ran.
@@ -532,37 +518,20 @@ class _Pass:
         """
         if self.agent.budget is None:
             return None
-        budget = budgets.in_force(self.agent.budget, self.journal)
-        spent = self.spent.with_cut(len(self._cut_attempts(step_id)))
-        limit = budgets.reached(budget, spent)
-        if limit is None:
-            return budget
-        stop_id = budgets.open_stop(self.journal)
-        stop = BudgetStop(
-            limit=limit, spent=spent.as_limits(), budget=budget.limits(), before=step_id
+        cut = len(self._cut_attempts(step_id))
+        checked = budgets.check(
+            self.agent.budget, self.journal, self.spent, cut=cut, before=step_id
         )
-        if Phase.INTENT not in self.journal.get(stop_id, {}):
-            self._record(stop_id, Phase.INTENT, stop)
+        if isinstance(checked, budgets.Budget):
+            return checked
+        if not checked.recorded:
+            self._record(checked.step_id, Phase.INTENT, checked.record)
         await self._flush()
-        why = f"stopped on its budget before {step_id}: {budgets.describe(limit, spent, budget)}"
-        if not await self.store.set_status(
-            self.run_id,
-            RunStatus.SUSPENDED,
-            reason=why,
-            lease=self.lease,
-            waits_for=(stop_id, Phase.APPROVAL),
-        ):
+        waiting = (RunStatus.SUSPENDED, checked.step_id, Phase.APPROVAL, checked.reason)
+        if not await self._wait_for(*waiting):
             raise _Decided
-        log.info("run %r %s", self.run_id, why)
-        self.out.append(
-            BudgetStep(
-                run_id=self.run_id,
-                step_id=stop_id,
-                limit=limit,
-                spent=stop.spent,
-                budget=stop.budget,
-            )
-        )
+        log.info("run %r %s", self.run_id, checked.reason)
+        self.out.append(checked.shown(self.run_id))
         raise _OverBudget
 
     async def _close(self, step_id: str, response: ModelResponse) -> None:
@@ -739,20 +708,7 @@ class _Pass:
             self._result(step_id, call, Decision.DENIED, denial)
 
     async def _suspend(self, step_id: str, call: ToolCall, intent: StepEvent) -> None:
-        frozen = Intent.from_json(intent.payload)
-        fp, prepared = frozen.fp, frozen.prepared
-        steps: list[Step] = [
-            ToolStep(
-                run_id=self.run_id,
-                step_id=step_id,
-                call=call,
-                decision=Decision.REQUIRE_APPROVAL,
-                status="awaiting_approval",
-            ),
-            ApprovalStep(
-                run_id=self.run_id, step_id=step_id, call=call, fingerprint=fp, prepared=prepared
-            ),
-        ]
+        steps = _awaiting_approval(self.run_id, step_id, call, Intent.from_json(intent.payload))
         if any(e is intent for e in self.pending):  # new: nobody can have decided on it yet
             self.waiting.extend(steps)
             await self._flush(RunStatus.SUSPENDED)
@@ -923,3 +879,40 @@ def _status_of(exc: BaseException) -> str:
     if isinstance(exc, LeaseLost):
         return "lease_lost"
     return "failed"
+
+
+async def _abandonment(
+    store: Checkpointer, run_id: str, unrecorded: Sequence[StepEvent]
+) -> RunAbandoned | None:
+    """The error for a lease lost to a person who abandoned the run, if that is what
+    happened (abandoning takes the run's fence); ``unrecorded``: what the pass lost."""
+    try:
+        final = await store.final(run_id)
+    except AsientoError:
+        return None
+    closed = None if final is None else Final.from_json(final.payload)
+    if closed is None or not closed.abandoned:
+        return None
+    lost = {e.step_id for e in unrecorded if e.phase is Phase.RESULT}
+    text = closed.text or "abandoned"
+    return RunAbandoned(run_id, text, tuple(sorted(lost - {step_ids.FINAL})))
+
+
+def _awaiting_approval(run_id: str, step_id: str, call: ToolCall, frozen: Intent) -> list[Step]:
+    """What a caller is shown of a call that waits for a person's approval."""
+    return [
+        ToolStep(
+            run_id=run_id,
+            step_id=step_id,
+            call=call,
+            decision=Decision.REQUIRE_APPROVAL,
+            status="awaiting_approval",
+        ),
+        ApprovalStep(
+            run_id=run_id,
+            step_id=step_id,
+            call=call,
+            fingerprint=frozen.fp,
+            prepared=frozen.prepared,
+        ),
+    ]

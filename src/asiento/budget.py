@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from . import step_ids
 from .errors import UsageError
-from .events import Phase, StepEvent
+from .events import BudgetStep, Phase, StepEvent
 from .payloads import BudgetRaise, BudgetStop, ModelResult
 
 LIMITS = ("max_cost", "max_tokens", "max_model_calls")
@@ -128,6 +128,48 @@ def open_stop(journal: Mapping[str, Mapping[Phase, StepEvent]]) -> str:
     while Phase.APPROVAL in journal.get(step_ids.budget(number), {}):
         number += 1
     return step_ids.budget(number)
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """A run's stop on its budget before step ``before``: what the pass records and says."""
+
+    step_id: str  # budget{n}, where a person's raise goes
+    record: BudgetStop
+    reason: str
+    recorded: bool  # the stop is in the journal already (an earlier pass stopped here)
+
+    def shown(self, run_id: str) -> BudgetStep:
+        """The step a caller is shown for the stop."""
+        stop = self.record
+        return BudgetStep(
+            run_id=run_id,
+            step_id=self.step_id,
+            limit=stop.limit,
+            spent=stop.spent,
+            budget=stop.budget,
+        )
+
+
+def check(
+    declared: Budget,
+    journal: Mapping[str, Mapping[Phase, StepEvent]],
+    spent: Spent,
+    *,
+    cut: int,
+    before: str,
+) -> Budget | Stop:
+    """Before a new (paid) call: the budget in force, or the stop when it is spent
+    (``cut``: streamed generations cut before this step, paid too)."""
+    budget = in_force(declared, journal)
+    spent = spent.with_cut(cut)
+    limit = reached(budget, spent)
+    if limit is None:
+        return budget
+    stop_id = open_stop(journal)
+    record = BudgetStop(limit=limit, spent=spent.as_limits(), budget=budget.limits(), before=before)
+    reason = f"stopped on its budget before {before}: {describe(limit, spent, budget)}"
+    return Stop(stop_id, record, reason, recorded=Phase.INTENT in journal.get(stop_id, {}))
 
 
 def describe(limit: str, spent: Spent, budget: Budget) -> str:
