@@ -35,7 +35,7 @@ from ..events import FinalStep
 from ..journal import SqliteCheckpointer
 from ..model import ModelRequest, ModelResponse, ToolCall
 from ..session import Session
-from ..testing import ScriptedGateway
+from ..gateways.scripted import ScriptedGateway
 from ..tools import tool
 
 if TYPE_CHECKING:
