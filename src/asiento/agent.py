@@ -311,7 +311,7 @@ class _Pass:
             yield self._closed(final)
             return
         if not self.trace.begun:
-            self.pending.extend(await self.trace.open(events, self.store, self.lease))
+            await self.trace.open(events, self.store, self.lease)
         self._add(Message(role="user", content=self.task))
         for turn in range(1, self.agent.max_turns + 1):
             step_id = step_ids.model(turn)

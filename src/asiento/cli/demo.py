@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING
 from .._crash import ENV_VAR
 from ..agent import Agent
 from ..events import FinalStep
+from ..gateways.scripted import ScriptedGateway
 from ..journal import SqliteCheckpointer
 from ..model import ModelRequest, ModelResponse, ToolCall
 from ..session import Session
-from ..gateways.scripted import ScriptedGateway
 from ..tools import tool
 
 if TYPE_CHECKING:

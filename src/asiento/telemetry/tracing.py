@@ -201,6 +201,8 @@ class PassTrace:
         self.span: Span | None = None
         self.begun = False
         self.marked = False
+        self.closed_run = False  # the pass closed the run: its span goes out after the commit
+        self._inside: Context | None = None  # the pass's span as the steps' parent
         self._model: Span | None = None
         self._tokens: tuple[int, int] | None = None  # the paid call's, for its metrics
         self._outcome = "unsent"
@@ -208,33 +210,36 @@ class PassTrace:
 
     # the run's context and the pass's span
 
-    async def open(
-        self, events: Sequence[StepEvent], store: Journal, lease: Lease | None
-    ) -> list[StepEvent]:
-        """Open the pass's span; the run's trace context is durable before any step.
-
-        What is returned rides the pass's next commit (its marks).
-        """
-        now, later = self.begin(events)
-        if now:
-            await store.append(*now, lease=lease)
-        return later
+    async def open(self, events: Sequence[StepEvent], store: Journal, lease: Lease | None) -> None:
+        """Open the pass's span; its marks (and a new run's trace context) are durable
+        before any step, in one commit."""
+        await store.append(*self.begin(events), lease=lease)
 
     async def close(
         self, status: str, error: BaseException | None, store: Journal, lease: Lease
     ) -> None:
-        """End the pass's span and record its end mark (a commit of its own)."""
-        ended = self.end(status, error)
-        if ended is None:
-            return
-        try:
-            await store.append(ended, lease=lease)
-        except AsientoError as exc:  # the next pass stands in for this pass's span
-            log.warning("run %r: could not mark the end of its traced pass: %s", self.run_id, exc)
+        """End the pass's span, then record its end mark (a commit of its own).
 
-    def begin(self, events: Sequence[StepEvent]) -> tuple[list[StepEvent], list[StepEvent]]:
-        """Open the pass's span: records to commit before anything else (the run's trace
-        context, new, and the marks), and records that ride the pass's next commit (none).
+        The span is exported before the mark is durable: a pass killed in between gets
+        a stand-in with the same id (a span seen twice, the second saying it died),
+        never a span without its parent. The run's span is exported once the run's
+        close is durable (``end`` rode the final commit).
+        """
+        ended = self.end(status, error)
+        if ended is not None:
+            try:
+                await store.append(ended, lease=lease)
+            except AsientoError as exc:  # the next pass stands in for this pass's span
+                log.warning(
+                    "run %r: could not mark the end of its traced pass: %s", self.run_id, exc
+                )
+        if self.closed_run:
+            self.closed_run = False
+            self._run_span()
+
+    def begin(self, events: Sequence[StepEvent]) -> list[StepEvent]:
+        """Open the pass's span: the records to commit before anything else (the run's
+        trace context, new, the pass's begin mark, the end marks of passes that died).
 
         The pass's begin mark is durable before the pass exports any span: a pass killed
         after its first model call ended (its ``chat`` span exported) and before its first
@@ -255,7 +260,6 @@ class PassTrace:
             context = TraceContext.from_json(recorded.payload)
             self.run_began = recorded.created_at
         self._join(context)
-        later: list[StepEvent] = []
         fences = step_ids.pass_fences(e.step_id for e in events)
         earlier = [f for f in dict.fromkeys(fences) if f < self.fence]
         died = [f for f in earlier if (step_ids.pass_mark(f), Phase.RESULT) not in journal]
@@ -288,7 +292,7 @@ class PassTrace:
         mark = PassMark(at=time.time(), cause=cause, by=self.holder)
         now.append(self._event(step_ids.pass_mark(self.fence), Phase.SUBMITTED, mark.to_json()))
         self.marked = True
-        return now, later
+        return now
 
     def _link_before(self, fence: int, earlier: Sequence[int]) -> list[Any]:
         """The link of pass ``fence``'s span to the traced pass before it (none for the first)."""
@@ -368,8 +372,7 @@ class PassTrace:
             span.set_status(Status(StatusCode.ERROR, str(error)[:500]))
         span.end()
         metrics.pass_ended(status)
-        if status == "closed":
-            self._run_span()
+        self.closed_run = status == "closed"
         if not self.marked:
             return None
         ended = PassMark(at=time.time(), status=status)
@@ -542,7 +545,11 @@ class PassTrace:
     def _parent(self) -> Context | None:
         from opentelemetry import trace
 
-        return trace.set_span_in_context(self.span) if self.span is not None else self.context
+        if self.span is None:
+            return self.context
+        if self._inside is None:
+            self._inside = trace.set_span_in_context(self.span)
+        return self._inside
 
     def _start(
         self,
@@ -584,18 +591,13 @@ class Off:
     on: Final = False
     begun: Final = True
 
-    async def open(
-        self, events: Sequence[StepEvent], store: Journal, lease: Lease | None
-    ) -> list[StepEvent]:
-        return []
+    async def open(self, events: Sequence[StepEvent], store: Journal, lease: Lease | None) -> None:
+        return None
 
     async def close(
         self, status: str, error: BaseException | None, store: Journal, lease: Lease
     ) -> None:
         return None
-
-    def begin(self, events: Sequence[StepEvent]) -> tuple[list[StepEvent], list[StepEvent]]:
-        return [], []
 
     def end(self, status: str, error: BaseException | None = None) -> StepEvent | None:
         return None
