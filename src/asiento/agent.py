@@ -397,7 +397,7 @@ class _Pass:
                 yield StreamRestart(run_id=self.run_id, step_id=step_id, attempt=attempt)
             key, request = self._request(step_id, fp)
             gateway = self.session.gateway
-            with self.trace.asking(step_id, gateway, request, reask=self._reask(step_id)):
+            with self.trace.asking(step_id, gateway, request):
                 if isinstance(gateway, StreamingGateway):
                     answer: object = None
                     marking = _Marker(self, step_id, attempt)
@@ -456,13 +456,9 @@ class _Pass:
     ) -> ModelResponse:
         key, request = self._request(step_id, fp)
         gateway = self.session.gateway
-        with self.trace.asking(step_id, gateway, request, reask=self._reask(step_id)):
+        with self.trace.asking(step_id, gateway, request):
             answer = await gateway.complete(request, idempotency_key=key)
             return self._took(step_id, fp, key, answer, budget)
-
-    def _reask(self, step_id: str) -> bool:
-        """Whether an earlier pass paid for this step's generation and lost it (traced)."""
-        return self.trace.on and bool(self._cut_attempts(step_id))
 
     def _request(self, step_id: str, fp: str) -> tuple[str, ModelRequest]:
         """The step's idempotency key and the request the model is asked."""

@@ -401,9 +401,7 @@ class PassTrace:
     # model and tool steps
 
     @contextlib.contextmanager
-    def asking(
-        self, step_id: str, gateway: object, request: ModelRequest, *, reask: bool
-    ) -> Iterator[None]:
+    def asking(self, step_id: str, gateway: object, request: ModelRequest) -> Iterator[None]:
         """A generation asked for (and paid) by this pass: a CLIENT ``chat`` span."""
         from opentelemetry import trace
 
@@ -417,8 +415,6 @@ class PassTrace:
         }
         if model:
             attributes["gen_ai.request.model"] = model
-        if reask:
-            attributes["asiento.reask"] = True
         if self.content:
             attributes["gen_ai.input.messages"] = _content([m.to_json() for m in request.messages])
             if request.instructions:
@@ -455,28 +451,28 @@ class PassTrace:
             return
         response, usage = result.response, result.response.usage
         self._tokens = (usage.input_tokens, usage.output_tokens)
+        found: dict[str, Any] = {
+            "gen_ai.usage.input_tokens": usage.input_tokens,
+            "gen_ai.usage.output_tokens": usage.output_tokens,
+        }
         if response.model:
-            span.set_attribute("gen_ai.response.model", response.model)
+            found["gen_ai.response.model"] = response.model
         if response.request_id:
-            span.set_attribute("gen_ai.response.id", response.request_id)
-        span.set_attribute("gen_ai.usage.input_tokens", usage.input_tokens)
-        span.set_attribute("gen_ai.usage.output_tokens", usage.output_tokens)
+            found["gen_ai.response.id"] = response.request_id
         if usage.cached_input_tokens:
-            span.set_attribute("gen_ai.usage.cache_read.input_tokens", usage.cached_input_tokens)
+            found["gen_ai.usage.cache_read.input_tokens"] = usage.cached_input_tokens
         if usage.cache_write_tokens:
-            span.set_attribute("gen_ai.usage.cache_creation.input_tokens", usage.cache_write_tokens)
+            found["gen_ai.usage.cache_creation.input_tokens"] = usage.cache_write_tokens
         if result.cost is not None:
-            span.set_attribute("asiento.cost", result.cost)
-        if result.repaid:
-            span.set_attribute("asiento.repaid", result.repaid)
+            found["asiento.cost"] = result.cost
+        if result.repaid:  # asked again after cut attempts, each paid and lost
+            found["asiento.reask"], found["asiento.repaid"] = True, result.repaid
         if response.kept:  # the proxy answered from the generation it kept: nothing paid
-            span.set_attribute("asiento.kept", True)
+            found["asiento.kept"] = True
         if self.content:
-            output = {
-                "text": response.text,
-                "tool_calls": [c.to_json() for c in response.tool_calls],
-            }
-            span.set_attribute("gen_ai.output.messages", _content(output))
+            calls = [c.to_json() for c in response.tool_calls]
+            found["gen_ai.output.messages"] = _content({"text": response.text, "tool_calls": calls})
+        span.set_attributes(found)  # one lock, not one a key
 
     @contextlib.contextmanager
     def executing(
@@ -603,7 +599,7 @@ class Off:
         return None
 
     def asking(
-        self, step_id: str, gateway: object, request: ModelRequest, *, reask: bool
+        self, step_id: str, gateway: object, request: ModelRequest
     ) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
 
