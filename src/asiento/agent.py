@@ -586,6 +586,7 @@ class _Pass:
         if problem is not None:
             self._result(step_id, call, decision, Outcome.failed(problem))
         elif decision is Decision.DENY:
+            self.trace.noted("asiento.tool.denied", step_id, call.name, by="policy")
             self._result(step_id, call, decision, Outcome.denied("policy", "denied by policy"))
         elif decision is Decision.REQUIRE_APPROVAL:
             await self._suspend(step_id, call, intent)
@@ -684,6 +685,7 @@ class _Pass:
         reason = None if why is None else f"tool {call.name!r} (step {record_id}): {why}"[:1000]
         if not await self._wait_for(RunStatus.UNCERTAIN, record_id, Phase.RESOLUTION, reason):
             raise _Decided
+        self.trace.noted("asiento.effect.uncertain", record_id, call.name)
         raise UncertainEffect(self.run_id, record_id, call.name, detail)
 
     async def _wait_for(
@@ -706,6 +708,7 @@ class _Pass:
     async def _suspend(self, step_id: str, call: ToolCall, intent: StepEvent) -> None:
         steps = _awaiting_approval(self.run_id, step_id, call, Intent.from_json(intent.payload))
         if any(e is intent for e in self.pending):  # new: nobody can have decided on it yet
+            self.trace.noted("asiento.approval.requested", step_id, call.name)
             self.waiting.extend(steps)
             await self._flush(RunStatus.SUSPENDED)
             return

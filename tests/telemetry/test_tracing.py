@@ -18,6 +18,7 @@ from asiento import (
     Agent,
     App,
     ApprovalStep,
+    Decision,
     Delta,
     ModelResponse,
     Session,
@@ -157,6 +158,9 @@ async def test_a_resumed_pass_joins_the_trace_and_replays_without_spans(
     first = exporter.get_finished_spans()
     [pass1] = _named(first, "invoke_agent")
     assert _attrs(pass1)["asiento.run.status"] == "awaiting_approval"
+    assert [(e.name, dict(e.attributes or {})) for e in pass1.events] == [
+        ("asiento.approval.requested", {"asiento.step.id": "m1.t1", "gen_ai.tool.name": "send"})
+    ]
     store = SqliteCheckpointer(path)
     await approve(store, "r1", "m1.t1", by="ana")
     await store.close()
@@ -366,3 +370,25 @@ async def test_a_stream_asked_again_after_a_cut_is_a_new_span_marked_reask(
     assert again.context.span_id != cut.context.span_id  # another attempt, another span
     [second_pass] = [s for s in found if "asiento.pass.fence" in _attrs(s)]
     assert _attrs(second_pass)["asiento.repaid.model_calls"] == 1
+
+
+async def test_a_denied_call_is_an_event_of_its_pass_not_a_tool_span(
+    tmp_path: Path, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    provider, exporter = spans
+    agent = Agent(
+        tools=[send],
+        policy=lambda call: Decision.DENY,
+        telemetry=Telemetry(tracer_provider=provider),
+    )
+    await _drive(agent, "r1", ScriptedGateway(_answers()), tmp_path / "j.db")
+    found = exporter.get_finished_spans()
+    assert _named(found, "execute_tool") == []
+    assert SENT == []
+    [one_pass] = [s for s in found if "asiento.pass.fence" in _attrs(s)]
+    assert [(e.name, dict(e.attributes or {})) for e in one_pass.events] == [
+        (
+            "asiento.tool.denied",
+            {"asiento.step.id": "m1.t1", "gen_ai.tool.name": "send", "by": "policy"},
+        )
+    ]

@@ -536,6 +536,13 @@ class PassTrace:
         if self.content:
             span.set_attribute("gen_ai.tool.call.result", _content(outcome.shown))
 
+    def noted(self, event: str, step_id: str, tool: str, **more: str) -> None:
+        """Something this pass decided about a step without running it (a denial, a wait
+        for a person, an uncertain effect): an event on the pass's span."""
+        if self.span is not None:
+            attributes = {"asiento.step.id": step_id, "gen_ai.tool.name": tool}
+            self.span.add_event(event, {**attributes, **more})
+
     # plumbing
 
     def _parent(self) -> Context | None:
@@ -612,6 +619,9 @@ class Off:
         return contextlib.nullcontext()
 
     def executed(self, outcome: Outcome, decision: Decision) -> None:
+        return None
+
+    def noted(self, event: str, step_id: str, tool: str, **more: str) -> None:
         return None
 
 
