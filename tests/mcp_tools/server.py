@@ -11,7 +11,8 @@ deduplicates by the asiento key in the call's ``_meta`` with
 ``asiento.mcp.server.IdempotencyKeys`` (SQLite at ``MCP_DEDUP``): a repeated key gets
 the first result, ``in-progress`` while the first call still runs, ``unknown`` when it
 never finished. With ``MCP_SEEN`` set, every ``tools/call`` the server answers
-appends ``tool key outcome`` to that file (``-``: no ``asiento/outcome``).
+appends ``tool key outcome`` to that file (``-``: no ``asiento/outcome``); with
+``MCP_META`` set, the call's whole ``_meta`` as one JSON line.
 ``MCP_VARIANT=drift`` serves ``lookup`` with one more parameter. ``MCP_MALFORMED=tool``
 answers that tool's calls, once applied, with a result that is not valid MCP.
 """
@@ -40,6 +41,10 @@ keys = IdempotencyKeys(os.environ["MCP_DEDUP"], ttl=3600, tools={"transfer"})
 async def _seen(ctx: Any, call_next: Any) -> Any:
     """Outside ``keys``: note each call once it is answered, and the answer's outcome."""
     result = await call_next(ctx)
+    metas = os.environ.get("MCP_META")
+    if metas and ctx.method == "tools/call":
+        with open(metas, "a") as f:
+            f.write(json.dumps((ctx.params or {}).get("_meta") or {}) + "\n")
     seen = os.environ.get("MCP_SEEN")
     if seen and ctx.method == "tools/call":
         params = ctx.params or {}

@@ -1,10 +1,24 @@
-"""What the SDK gateways share: closing the client they made, as async context managers."""
+"""What the SDK gateways share: closing the client they made, as async context managers,
+and the headers every request of a step carries."""
 
 from __future__ import annotations
 
 import sys
 from types import TracebackType
 from typing import Any, Self
+
+from .._canonical import key_header
+from ..telemetry.tracing import step_traceparent
+
+
+def request_headers(idempotency_key: str) -> dict[str, str]:
+    """The step's ``Idempotency-Key`` and, in a traced run, its W3C trace context
+    (``traceparent``, ``tracestate``: the ``chat`` span as the request's parent)."""
+    headers = key_header(idempotency_key)
+    traced = step_traceparent()
+    if traced:
+        headers.update(traced)
+    return headers
 
 
 class OwnedClient:

@@ -4,6 +4,8 @@ The SDK is imported only when a gateway is made. Every attempt (the SDK's own
 retries, and asiento's retries of a 429: ``rate_limit``) carries the step's key
 in the ``Idempotency-Key`` header; Anthropic ignores it, the journal and
 ``asiento gateway`` honour it.
+In a traced run (``Agent(telemetry=...)``) every attempt also carries the
+``chat`` span's W3C ``traceparent`` (and ``tracestate``).
 """
 
 from __future__ import annotations
@@ -12,12 +14,11 @@ import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .._canonical import key_header
 from ..errors import UsageError
 from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
 from ..streaming import StreamPart
 from ._assembly import MessagesAssembler, called, streamed
-from ._client import OwnedClient, transport_errors
+from ._client import OwnedClient, request_headers, transport_errors
 from ._errors import invalid, nonempty, sdk_missing, tool_call, usage_fields
 from .quota import Quota
 from .rate_limit import RateLimitPolicy, take_429s
@@ -76,10 +77,11 @@ class AnthropicGateway(OwnedClient):
         import anthropic
 
         params = self._params(request)
+        headers = request_headers(idempotency_key)
 
         async def attempt() -> tuple[Any, bytes]:
             raw = await self.client.messages.with_raw_response.create(
-                **params, extra_headers=key_header(idempotency_key)
+                **params, extra_headers=headers
             )
             return raw, await raw.read()
 
@@ -108,11 +110,10 @@ class AnthropicGateway(OwnedClient):
 
         lost: tuple[type[Exception], ...] = (anthropic.APIError, *transport_errors(self.client))
         params = self._params(request) | {"stream": True}
+        headers = request_headers(idempotency_key)
 
         async def open_stream() -> Any:
-            return await self.client.messages.create(
-                **params, extra_headers=key_header(idempotency_key)
-            )
+            return await self.client.messages.create(**params, extra_headers=headers)
 
         return streamed(
             open_stream,

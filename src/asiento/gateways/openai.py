@@ -4,6 +4,8 @@ Built on the official ``openai`` SDK, imported only when a gateway is made.
 Every attempt (the SDK's own retries, and asiento's retries of a 429:
 ``rate_limit``) carries the step's key in the ``Idempotency-Key`` header.
 OpenAI ignores the header; the journal and ``asiento gateway`` honour it.
+In a traced run (``Agent(telemetry=...)``) every attempt also carries the
+``chat`` span's W3C ``traceparent`` (and ``tracestate``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._canonical import key_header
 from ..errors import UsageError
 from ..model import Message, ModelRequest, ModelResponse, ToolCall, ToolSchema, Usage
 from ..streaming import StreamPart
@@ -23,7 +24,7 @@ from ._assembly import (
     called,
     streamed,
 )
-from ._client import OwnedClient, transport_errors
+from ._client import OwnedClient, request_headers, transport_errors
 from ._errors import invalid, nonempty, sdk_missing, tool_call, usage_fields
 from .quota import Quota
 from .rate_limit import RateLimitPolicy, take_429s
@@ -86,6 +87,7 @@ class OpenAIGateway(OwnedClient):
 
         chat = self.api == "chat"
         params = self._chat_params(request) if chat else self._responses_params(request)
+        headers = request_headers(idempotency_key)
         create = (
             self.client.chat.completions.with_raw_response.create
             if chat
@@ -93,7 +95,7 @@ class OpenAIGateway(OwnedClient):
         )
 
         async def attempt() -> tuple[Any, bytes]:
-            raw = await create(**params, extra_headers=key_header(idempotency_key))
+            raw = await create(**params, extra_headers=headers)
             return raw, raw.http_response.content
 
         return await called(
@@ -139,8 +141,10 @@ class OpenAIGateway(OwnedClient):
                 parse_responses,
             )
 
+        headers = request_headers(idempotency_key)
+
         async def open_stream() -> Any:
-            return await create(**params, extra_headers=key_header(idempotency_key))
+            return await create(**params, extra_headers=headers)
 
         return streamed(
             open_stream,

@@ -34,6 +34,7 @@ from ..effects.base import IdempotencyKeyConflict, Reconcile, distrust_key, reco
 from ..errors import AsientoError, UsageError
 from ..mcp._keys import CONFLICT, IDEMPOTENCY_KEY, REPLAYED, UNKNOWN
 from ..mcp._runner import flag, until_settled
+from ..telemetry.tracing import step_traceparent
 
 IN_PROGRESS_WAIT = 30.0  # seconds a reconcile waits while the server says the first call runs
 
@@ -171,7 +172,8 @@ class _KeyedMcp(WrapperToolset[Any]):
 
 
 def _merged(metadata: dict[str, Any] | None, key: str) -> dict[str, Any]:
-    """The hook's metadata with the step's key in it; another key there is the hook's bug."""
+    """The hook's metadata with the step's key in it (and a traced step's trace context);
+    another key there is the hook's bug."""
     merged = dict(metadata or {})
     theirs = merged.get(IDEMPOTENCY_KEY, key)
     if theirs != key:
@@ -180,6 +182,8 @@ def _merged(metadata: dict[str, Any] | None, key: str) -> dict[str, Any]:
             f"run asiento sends the step's own key {key!r}: remove it from the hook"
         )
     merged[IDEMPOTENCY_KEY] = key
+    for name, value in step_traceparent().items():  # a traced step's context, beside its key
+        merged.setdefault(name, value)
     return merged
 
 

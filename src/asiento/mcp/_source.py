@@ -14,9 +14,10 @@ from mcp.shared.exceptions import MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from ..errors import McpServerUnavailable, UsageError
+from ..telemetry.tracing import step_traceparent
 from ..tools import Tool
 from ._annotations import Treatment, treatment
-from ._connection import Endpoint, Link, LinkGone
+from ._connection import Endpoint, Job, Link, LinkGone
 from ._keys import IDEMPOTENCY_KEY
 from ._tool import McpTool, arguments_model
 
@@ -102,7 +103,9 @@ class McpServer:
         return [self._as_tool(t) for t in listed]
 
     async def call(self, remote_name: str, arguments: Mapping[str, Any], key: str) -> Any:
-        """``tools/call`` with ``key`` in its ``_meta``, on a session checked alive first.
+        """``tools/call`` with ``key`` in its ``_meta`` (and, in a traced run, the
+        ``execute_tool`` span's ``traceparent`` / ``tracestate``), on a session checked
+        alive first.
 
         The probe before the call (``_probe``) finds a server that died since the last
         call while nothing is sent yet: the session is opened again, or
@@ -114,10 +117,14 @@ class McpServer:
         except (LinkGone, MCPError):
             await self.aclose()
             link = await self._live()
-        meta: Any = {IDEMPOTENCY_KEY: key}
-        return await link.run(
-            lambda client: client.call_tool(remote_name, dict(arguments), meta=meta)
-        )
+        # The step's trace context beside its key, as the MCP tracing convention has it.
+        traced = step_traceparent()
+        meta: Any = {IDEMPOTENCY_KEY: key, **traced}
+
+        def job(client: Client) -> Awaitable[Any]:
+            return client.call_tool(remote_name, dict(arguments), meta=meta)
+
+        return await link.run(_under(traced, job) if traced else job)
 
     async def _live(self) -> Link:
         """The session, opened (again) when there is none, it ended, or it is another loop's."""
@@ -194,6 +201,27 @@ class McpServer:
                 "model cannot call (1-64 letters, digits, _ or -); use a shorter prefix"
             )
         return name
+
+
+def _under(carrier: Mapping[str, str], job: Job) -> Job:
+    """``job`` run under the step's trace context as OpenTelemetry's current one.
+
+    The MCP SDK writes the current context into ``_meta`` itself (its own span's, when an
+    SDK is set up); the job runs in the session's task, where none would be current and
+    the call would start a trace of its own. Under the step's, it stays in the run's.
+    """
+
+    async def traced(client: Client) -> Any:
+        from opentelemetry import context as otel_context
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        token = otel_context.attach(TraceContextTextMapPropagator().extract(carrier))
+        try:
+            return await job(client)
+        finally:
+            otel_context.detach(token)
+
+    return traced
 
 
 async def _probe(client: Client) -> object:

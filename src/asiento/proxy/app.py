@@ -69,6 +69,7 @@ from ..gateways.anthropic import parse_message
 from ..gateways.openai import parse_chat, parse_responses
 from ..gateways.quota import CHARS_PER_TOKEN, Quota, Reservation
 from ..lease import Holder, is_dead_here
+from . import _tracing
 from ._convert import STREAM_OPTIONS, is_stream, plain_from_stream, stream_from_plain
 from ._recording import Recording
 from ._stream import PassedThrough, wants_stream
@@ -310,6 +311,15 @@ class IdempotencyProxy:
         self._live: dict[tuple[str, str], Recording] = {}  # streams this process is reading
 
     async def handle(self, request: Request) -> Response:
+        """Answer one request; one with a ``traceparent`` in a span of its trace (``_tracing``)."""
+        if not _tracing.traced(request):
+            return await self._handle(request)
+        with _tracing.joined(request):
+            response = await self._handle(request)
+            _tracing.answered(response.status_code)
+            return response
+
+    async def _handle(self, request: Request) -> Response:
         path = request.url.path
         if path != "/v1" and not path.startswith("/v1/"):
             return _error(404, f"no route {path}; the proxy serves /v1/...", "not_found")
@@ -339,11 +349,14 @@ class IdempotencyProxy:
                 return await self._fetch_and_keep(request, body, scope, key, claim.token)
             if claim.kind == "done" and claim.stored is not None:
                 self.stats.replayed += 1
+                _tracing.note("replayed")
                 return _replayed(request.url.path, claim.stored, stream=False)
             if claim.kind == "conflict":
                 self.stats.conflicts += 1
+                _tracing.note("conflict")
                 return _reused(key)
             if time.monotonic() >= deadline:
+                _tracing.note("in_flight")
                 return _still_in_flight(key)
             await asyncio.sleep(POLL)
 
@@ -357,22 +370,28 @@ class IdempotencyProxy:
             if live is not None:  # this process is reading it: join at the first chunk
                 if live.fingerprint != fp:
                     self.stats.conflicts += 1
+                    _tracing.note("conflict")
                     return _reused(key)
                 self.stats.streams_attached += 1
+                _tracing.note("attached")
                 return await live.response(_ATTACHED)
             claim, sent = await self._claim_and_build(request, body, (scope, key), fp)
             if claim.kind == "new":
                 live = self._live[(scope, key)] = Recording(path, fp)
                 recording = self._record(request, body, sent, (scope, key), claim.token, live)
                 self._spawn(recording)
+                _tracing.note("upstream")
                 return await live.response(_RECORDING)
             if claim.kind == "done" and claim.stored is not None:
                 self.stats.replayed += 1
+                _tracing.note("replayed")
                 return _replayed(path, claim.stored, stream=True)
             if claim.kind == "conflict":
                 self.stats.conflicts += 1
+                _tracing.note("conflict")
                 return _reused(key)
             if time.monotonic() >= deadline:  # another proxy process is reading it
+                _tracing.note("in_flight")
                 return _still_in_flight(key)
             await asyncio.sleep(POLL)
 
@@ -490,7 +509,9 @@ class IdempotencyProxy:
         renewal = asyncio.create_task(self._renew(scope, key, token))
         try:
             answer = await self._send(request, body)
-            if isinstance(answer, Stored) and _recordable(request.url.path, answer):
+            kept = isinstance(answer, Stored) and _recordable(request.url.path, answer)
+            _tracing.note("upstream", kept=kept)
+            if kept and isinstance(answer, Stored):
                 await asyncio.to_thread(self.store.finish, scope, key, token, answer)
             else:
                 await asyncio.to_thread(self.store.release, scope, key, token)
@@ -513,6 +534,7 @@ class IdempotencyProxy:
                 continue  # busy for once: the next renewal comes well before the lease ends
 
     async def _forward(self, request: Request, body: bytes) -> Response:
+        _tracing.note("forwarded")
         return _response(await self._send(request, body))
 
     async def _send(self, request: Request, body: bytes) -> Stored | Response:
@@ -544,6 +566,7 @@ class IdempotencyProxy:
         url, headers = self._upstream_request(request)
         self.stats.upstream_calls += 1
         self.stats.streams_passed_through += 1
+        _tracing.note("forwarded")
         sent = self.client.build_request(request.method, url, content=body, headers=headers)
         held = contextlib.AsyncExitStack()  # the quota's place, held until the relay ends
         await held.enter_async_context(self.quota.slot(_estimate(self.quota, body)))
@@ -567,6 +590,7 @@ class IdempotencyProxy:
         if request.url.query:
             url += "?" + request.url.query
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _REQUEST_DROP}
+        _tracing.carry_on(headers)  # the proxy's span as upstream's parent, when traced
         return url, headers
 
     async def drain(self) -> None:
