@@ -50,6 +50,7 @@ from ._pydantic_ai_records import (
     tool_calls,
     tool_digests,
 )
+from ._pydantic_ai_replay import unit
 from ._worker import shown
 
 log = logging.getLogger("asiento")
@@ -106,6 +107,7 @@ class Pass(HeldCommits):
         recorded = self.journal.get(step_id, {}).get(Phase.RESULT)
         if recorded is not None:
             response = self._replayed(step_id, fp, recorded, parameters)
+            unit(executed=False)  # Pydantic AI's chat span of it is not reported again
         else:
             await self.settle()  # an answer no tool followed (a retry of the output)
             key = model_key(self.run_id, step_id, fp)
@@ -116,6 +118,7 @@ class Pass(HeldCommits):
             self.stats.model_calls += 1
             self.stats.input_tokens += response.usage.input_tokens
             self.stats.output_tokens += response.usage.output_tokens
+            unit(executed=True)
             tools = tool_digests(parameters) if step_id == step_ids.model(1) else None
             payload = model_payload(fp, response, tools)
             self.hold(self.event(step_id, Phase.RESULT, payload))
@@ -210,9 +213,11 @@ class Pass(HeldCommits):
         key = None if leaf is None else _frozen_key(self.run_id, step_id, records)
         if action is Action.FEED_RESULT:
             self.stats.tool_calls_replayed += 1
+            unit(executed=False)  # its execute_tool span is not reported again
             return _fed(Outcome.from_json(records[Phase.RESULT].payload))
         if action is Action.FEED_RESOLUTION:
             self.stats.tool_calls_replayed += 1
+            unit(executed=False)
             return _fed(Resolution.from_json(records[Phase.RESOLUTION].payload).as_outcome())
         if action is Action.FEED_DENIAL:
             approval = records.get(Phase.APPROVAL)
@@ -316,6 +321,7 @@ class Pass(HeldCommits):
             self.stats.tool_calls_replayed += 1
         else:  # the first call never reached the server: this one did the work
             self.stats.tool_calls += 1
+        unit(executed=True)  # a call went to the server: its span is reported
         return _Settled(await self._keep(attempt_id, value))
 
     async def decisions(
@@ -386,6 +392,7 @@ class Pass(HeldCommits):
         run: Callable[[], Awaitable[Any]],
         mcp: Any = None,
     ) -> Any:
+        unit(executed=True)  # the tool is called: its span is reported, however it ends
         try:
             with self._in_step(step_id, attempt_id, name):
                 value = await run()

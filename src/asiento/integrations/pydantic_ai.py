@@ -58,6 +58,7 @@ from ._pydantic_ai_pass import MESSAGES_KEY, OUTPUT_KEY, Pass
 from ._pydantic_ai_records import (
     load_messages,
 )
+from ._pydantic_ai_replay import replayed_scope, uninstrumented
 from ._worker import pass_end, shown
 
 __all__ = ["DurableResult", "WorkerAgent", "durable_run"]
@@ -156,18 +157,25 @@ async def _drive(
                 journal,
                 honours=options.honours_keys,
             )
-            wrapped = _JournaledModel(infer_model(options.model), run=run)
+            model, capabilities = uninstrumented(infer_model(options.model))
+            wrapped = _JournaledModel(model, run=run)
+            extra: dict[str, Any] = {"capabilities": capabilities} if capabilities else {}
             toolsets = [_JournaledToolset(_keyed(t, run), run=run) for t in agent.toolsets]
             asked: str | None = prompt
             history, decided = message_history, None
             try:
-                with agent.override(model=wrapped, toolsets=toolsets, tools=[]), _unwrapped():
+                with (
+                    agent.override(model=wrapped, toolsets=toolsets, tools=[]),
+                    _unwrapped(),
+                    replayed_scope(),  # Pydantic AI's spans: none for what is replayed
+                ):
                     while True:  # each round ends at a deferral the journal has decisions for
                         result = await agent.run(
                             asked,
                             deps=options.deps,
                             message_history=history,
                             deferred_tool_results=decided,
+                            **extra,
                         )
                         if not isinstance(result.output, DeferredToolRequests):
                             break
