@@ -1,0 +1,490 @@
+"""One pass of a LangGraph graph on asiento's journal: every chat-model call and every
+tool call inside it, wherever a node makes it, is a journaled step.
+
+The graph runs as written. While a pass drives it, ``BaseChatModel.agenerate`` /
+``generate`` and ``BaseTool.arun`` / ``run`` (what ``ainvoke``, ``invoke`` and
+``ToolNode`` reach) ask this pass first: a recorded answer or outcome is handed
+back and nothing is asked or run again; a new one is asked with asiento's
+idempotency key and recorded before the graph goes on. Outside a pass the
+patched methods are LangChain's own, untouched.
+
+Model steps are numbered in the order the graph asks them (``m1``, ``m2``...); a
+tool call the model asked for is ``m{n}.t{k}`` by its place in the answer, a tool
+a node calls directly is the next ``m{n}.t{k}`` after the last model step. Two model
+calls at once (parallel nodes, ``Send``) have no deterministic order: refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+from langchain_core._api.beta_decorator import LangChainBetaWarning
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.load import dumpd, load
+from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.outputs import ChatGeneration, LLMResult
+from langchain_core.tools import BaseTool, ToolException
+
+from .. import step_ids
+from .._canonical import fingerprint, key_header, model_key
+from .._crash import crash_point
+from ..errors import JournalCorrupt, ReplayDivergence, UncertainEffect, UsageError
+from ..events import Lease, Phase, RunStatus
+from ..journal.base import Checkpointer
+from ..model import ModelResponse, ToolCall, Usage
+from ..outcomes import bounded
+from ..payloads import Intent, ModelResult, Outcome
+from ..replay import Action, Indexed, decide, step_state
+from ..session import RunStats
+from ._commits import HeldCommits
+
+log = logging.getLogger("asiento")
+
+FRAMEWORK_KEY = "langchain"
+_ACTIVE: contextvars.ContextVar[GraphPass | None] = contextvars.ContextVar(
+    "asiento_langgraph_pass", default=None
+)
+# Providers whose chat models send ``extra_headers`` with the request (the key reaches
+# ``asiento gateway``); others are asked without it.
+_HEADERS_BY = ("langchain_openai", "langchain_anthropic")
+# Invocation parameters that say how a request travels or who traces it, not what it asks.
+_TRANSPORT = frozenset({"extra_headers", "timeout", "request_timeout", "max_retries", "stream"})
+
+
+@dataclass(frozen=True, slots=True)
+class Asked:
+    """How a node asked a chat model, beside the messages: LangChain's callbacks and
+    tracing keywords (passed on, not part of the request) and the request's own."""
+
+    callbacks: Any
+    traced: dict[str, Any]
+    kwargs: dict[str, Any]
+
+    @property
+    def node(self) -> str:
+        metadata = self.traced.get("metadata") or {}
+        return str(metadata.get("langgraph_node", "?"))
+
+
+class GraphPass(HeldCommits):
+    """The steps of one pass: what the journal holds, what this pass asks and runs."""
+
+    def __init__(
+        self,
+        run_id: str,
+        store: Checkpointer,
+        lease: Lease,
+        journal: Indexed,
+        *,
+        idempotent: frozenset[str],
+        graph_digest: str,
+        stats: RunStats,
+    ) -> None:
+        super().__init__(run_id, store, lease, journal)
+        self.idempotent, self.graph_digest, self.stats = idempotent, graph_digest, stats
+        self.turns = 0
+        self.calls: dict[str, str] = {}  # a tool call's id -> its step id
+        self.direct: dict[str, int] = {}  # a model step -> tool steps numbered after its calls
+        self.asking = False
+        self.last_text = ""
+        self.loop = asyncio.get_running_loop()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        token = _ACTIVE.set(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.reset(token)
+
+    # -- model steps -------------------------------------------------------------------
+
+    async def generate(
+        self,
+        model: BaseChatModel,
+        prompts: Sequence[Sequence[BaseMessage]],
+        stop: list[str] | None,
+        asked: Asked,
+    ) -> LLMResult:
+        if self.asking:
+            raise UsageError(
+                f"run {self.run_id!r}: two chat-model calls at once (parallel nodes, Send, or "
+                "a batch from two tasks): their order is not deterministic, so a resumed run "
+                "could not tell which answer is whose; make the model calls sequential"
+            )
+        generations: list[list[ChatGeneration]] = []
+        outputs: list[dict[str, Any] | None] = []
+        self.asking = True
+        try:
+            for prompt in prompts:
+                found, output = await self._step(model, list(prompt), stop, asked)
+                generations.append(found)
+                outputs.append(output)
+        finally:
+            self.asking = False
+        merged = model._combine_llm_outputs(outputs)
+        return LLMResult(generations=cast("list[list[Any]]", generations), llm_output=merged)
+
+    async def _step(
+        self, model: BaseChatModel, prompt: list[BaseMessage], stop: list[str] | None, asked: Asked
+    ) -> tuple[list[ChatGeneration], dict[str, Any] | None]:
+        self.turns += 1
+        step_id = step_ids.model(self.turns)
+        fp = request_fingerprint(model, prompt, stop, asked.kwargs)[:32]
+        recorded = self.journal.get(step_id, {}).get(Phase.RESULT)
+        if recorded is not None:
+            generations = self._replayed(step_id, fp, recorded, asked.node)
+            output = None
+        else:
+            await self.settle()  # an answer no tool followed: durable before the next ask
+            key = model_key(self.run_id, step_id, fp)
+            sent = dict(asked.kwargs) | asked.traced
+            if type(model).__module__.split(".")[0] in _HEADERS_BY:
+                sent["extra_headers"] = dict(sent.get("extra_headers") or {}) | key_header(key)
+            result = await _ORIGINAL_AGENERATE(model, [prompt], stop, asked.callbacks, **sent)
+            crash_point("inside_model_call")
+            generations = [_chat(g) for g in result.generations[0]]
+            output = result.llm_output
+            self._count(generations)
+            tools = {"graph": self.graph_digest} if step_id == step_ids.model(1) else None
+            payload = model_payload(fp, generations, tools)
+            self.hold(self.event(step_id, Phase.RESULT, payload))
+        self._note_calls(step_id, generations)
+        return generations, output
+
+    def _replayed(self, step_id: str, fp: str, recorded: Any, node: str) -> list[ChatGeneration]:
+        result = ModelResult.from_json(recorded.payload)
+        if step_id == step_ids.model(1) and result.tools is not None:
+            was = result.tools.get("graph")
+            if was is not None and was != self.graph_digest:
+                raise ReplayDivergence(
+                    self.run_id,
+                    step_id,
+                    "the graph changed since the run began (its nodes, edges or branches): "
+                    f"recorded {was[:12]}…, now {self.graph_digest[:12]}…",
+                )
+        if result.fp != fp:
+            raise ReplayDivergence(
+                self.run_id,
+                step_id,
+                f"node {node!r} asks the model something else than it did (its prompt, its "
+                f"messages, the model or its bound tools changed): recorded request "
+                f"{result.fp[:12]}…, now {fp[:12]}…",
+            )
+        self.stats.model_calls_replayed += 1
+        self.stats.input_tokens_saved += result.response.usage.input_tokens
+        self.stats.output_tokens_saved += result.response.usage.output_tokens
+        return recorded_generations(recorded.payload, f"run {self.run_id!r} step {step_id!r}")
+
+    def _count(self, generations: Sequence[ChatGeneration]) -> None:
+        self.stats.model_calls += 1
+        usage = _usage(generations)
+        self.stats.input_tokens += usage.input_tokens
+        self.stats.output_tokens += usage.output_tokens
+
+    def _note_calls(self, step_id: str, generations: Sequence[ChatGeneration]) -> None:
+        message = generations[0].message if generations else None
+        if isinstance(message, AIMessage):
+            self.last_text = message.text
+            for number, call in enumerate(message.tool_calls, 1):
+                if call.get("id"):
+                    self.calls[str(call["id"])] = step_ids.tool(step_id, number)
+            self.direct[step_id] = len(message.tool_calls)
+
+    # -- tool steps --------------------------------------------------------------------
+
+    def tool_step_id(self, tool_call_id: str | None) -> str:
+        """A call the model asked for has its place in the answer; a direct call the next."""
+        if tool_call_id is not None and tool_call_id in self.calls:
+            return self.calls[tool_call_id]
+        last = step_ids.model(max(self.turns, 1))
+        self.direct[last] = self.direct.get(last, 0) + 1
+        return step_ids.tool(last, self.direct[last])
+
+    async def tool_step(
+        self, tool: BaseTool, tool_input: Any, tool_call_id: str | None, run: Any
+    ) -> Any:
+        """The tool's output: recorded, or run once now (``run``: the tool's own ``arun``)."""
+        step_id = self.tool_step_id(tool_call_id)
+        state = step_state(self.journal, step_id)
+        action = decide(state.records, idempotent=tool.name in self.idempotent)
+        if action is Action.FEED_RESULT:
+            self.stats.tool_calls_replayed += 1
+            return _fed(Outcome.from_json(state.records[Phase.RESULT].payload))
+        if action is Action.UNCERTAIN:
+            await self.settle()
+            await self.store.set_status(
+                self.run_id,
+                RunStatus.UNCERTAIN,
+                lease=self.lease,
+                reason=f"tool {tool.name!r} (step {state.current_id}) may or may not have run",
+            )
+            raise UncertainEffect(self.run_id, state.current_id, tool.name, "")
+        if action not in (Action.START, Action.EXECUTE):
+            raise UsageError(
+                f"run {self.run_id!r} step {step_id!r}: {action.value} is not mapped for "
+                "LangGraph tools (approvals are interrupt() in a node)"
+            )
+        args = tool_input if isinstance(tool_input, dict) else {"input": tool_input}
+        attempt_id = state.next_id
+        new = []
+        if action is Action.START:
+            crash_point("before_intent")
+            intent = Intent(tool=tool.name, args=dict(args), fp=fingerprint(args)[:32])
+            new.append(self.event(step_id, Phase.INTENT, intent.to_json()))
+        new.append(self.event(attempt_id, Phase.SUBMITTED, {}))
+        await self.append(*new)
+        crash_point("after_submitted")
+        try:
+            output = await run()
+        except Exception as exc:
+            await self.append(
+                self.event(attempt_id, Phase.RESULT, Outcome.failed(str(exc)).to_json())
+            )
+            raise
+        crash_point("after_tool")
+        self.stats.tool_calls += 1
+        try:
+            outcome = bounded(_stored(output, tool.name))
+        except UsageError as exc:  # it ran: its step is failed, never run again blindly
+            failed = Outcome.failed(str(exc)).to_json()
+            await self.append(self.event(attempt_id, Phase.RESULT, failed))
+            raise
+        await self.append(self.event(attempt_id, Phase.RESULT, outcome.to_json()))
+        crash_point("after_result")
+        return output if outcome.status == "ok" else _fed(outcome)
+
+    def call_soon(self, coroutine: Any) -> Any:
+        """Run one of this pass's steps from a sync node's thread, on the pass's loop."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+
+# -- records ---------------------------------------------------------------------------
+
+
+def request_fingerprint(
+    model: BaseChatModel,
+    prompt: Sequence[BaseMessage],
+    stop: list[str] | None,
+    kwargs: Mapping[str, Any],
+) -> str:
+    """What the step asks the model, hashed: the messages (without the ids LangGraph gives
+    them), the model's invocation parameters (model name, settings, bound tools), stop."""
+    params = model._get_invocation_params(stop=stop, **dict(kwargs))
+    asked = {
+        "messages": [_without_ids(dumpd(m)) for m in prompt],
+        "params": {k: v for k, v in params.items() if k not in _TRANSPORT},
+    }
+    return fingerprint(_jsonable(asked))
+
+
+def _without_ids(dumped: Any) -> Any:
+    if isinstance(dumped, dict):
+        kwargs = dumped.get("kwargs")
+        if isinstance(kwargs, dict):
+            return dumped | {"kwargs": {k: v for k, v in kwargs.items() if k != "id"}}
+    return dumped
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return repr(value)
+
+
+def model_payload(
+    fp: str, generations: Sequence[ChatGeneration], tools: Mapping[str, str] | None
+) -> dict[str, Any]:
+    """A model step's record: asiento's view of the answer, and LangChain's own."""
+    result = ModelResult(fp=fp, response=_asiento_view(generations), tools=tools)
+    dumped = [
+        {"message": dumpd(g.message), "generation_info": g.generation_info} for g in generations
+    ]
+    return result.to_json() | {FRAMEWORK_KEY: dumped}
+
+
+def recorded_generations(payload: Mapping[str, Any], where: str) -> list[ChatGeneration]:
+    dumped = payload.get(FRAMEWORK_KEY)
+    if not isinstance(dumped, list):
+        raise JournalCorrupt(f"{where}: the record holds no LangChain answer to replay")
+    try:
+        return [
+            ChatGeneration(message=revive(g["message"]), generation_info=g.get("generation_info"))
+            for g in dumped
+        ]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise JournalCorrupt(
+            f"{where}: the recorded LangChain answer cannot be read: {exc}"
+        ) from exc
+
+
+def _asiento_view(generations: Sequence[ChatGeneration]) -> ModelResponse:
+    message = generations[0].message if generations else AIMessage(content="")
+    calls = [
+        ToolCall(name=c["name"], arguments=dict(c.get("args") or {}), id=c.get("id") or "")
+        for c in getattr(message, "tool_calls", ()) or ()
+    ]
+    model = str((message.response_metadata or {}).get("model_name", ""))
+    return ModelResponse(
+        text=message.text, tool_calls=calls, usage=_usage(generations), model=model
+    )
+
+
+def _usage(generations: Sequence[ChatGeneration]) -> Usage:
+    message = generations[0].message if generations else None
+    usage = getattr(message, "usage_metadata", None) or {}
+    return Usage(
+        input_tokens=int(usage.get("input_tokens", 0)),
+        output_tokens=int(usage.get("output_tokens", 0)),
+    )
+
+
+def _chat(generation: Any) -> ChatGeneration:
+    if not isinstance(generation, ChatGeneration):
+        raise UsageError(f"a chat model answered {type(generation).__name__}, not a ChatGeneration")
+    return generation
+
+
+def _stored(output: Any, tool: str) -> Any:
+    """A tool's output as JSON the journal keeps: LangChain objects by ``dumpd``."""
+    if output is None or isinstance(output, str | int | float | bool | list | dict):
+        return {"value": output}
+    dumped = dumpd(output)
+    if dumped.get("type") == "not_implemented":
+        raise UsageError(
+            f"tool {tool!r} returned a {type(output).__name__}, which LangChain cannot "
+            "serialise: a resumed run could not hand it back; return text, JSON or a "
+            "ToolMessage (a Command that updates the graph's state is not supported yet)"
+        )
+    return {FRAMEWORK_KEY: dumped}
+
+
+def _fed(outcome: Outcome) -> Any:
+    """What the graph is handed for a recorded outcome: the output, or the tool's error."""
+    if outcome.status != "ok":
+        raise ToolException(outcome.error or outcome.reason or "the tool failed")
+    value = outcome.value if isinstance(outcome.value, dict) else {"value": outcome.value}
+    if FRAMEWORK_KEY in value:
+        return revive(value[FRAMEWORK_KEY])
+    return value.get("value")
+
+
+def revive(dumped: Any) -> Any:
+    """A LangChain object back from its record (``dumpd``), core classes only."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", LangChainBetaWarning)  # load() is marked beta
+        return load(dumped, allowed_objects="core")
+
+
+# -- the patches -------------------------------------------------------------------------
+
+_ORIGINAL_AGENERATE = BaseChatModel.agenerate
+_ORIGINAL_GENERATE = BaseChatModel.generate
+_ORIGINAL_ARUN = BaseTool.arun
+_ORIGINAL_RUN = BaseTool.run
+_ORIGINAL_ASTREAM = BaseChatModel.astream
+_ORIGINAL_STREAM = BaseChatModel.stream
+_STREAMS = (
+    "a node streams a chat model itself (astream/stream) inside a durable LangGraph run: its "
+    "answer would not be journaled; call ainvoke (the graph's stream_mode='messages' still "
+    "streams tokens)"
+)
+
+
+_TRACING = ("tags", "metadata", "run_name", "run_id")  # who traces a call, not what it asks
+
+
+async def _agenerate(
+    self: BaseChatModel,
+    messages: list[list[BaseMessage]],
+    stop: list[str] | None = None,
+    callbacks: Any = None,
+    **kwargs: Any,
+) -> LLMResult:
+    run = _ACTIVE.get()
+    if run is None:
+        return await _ORIGINAL_AGENERATE(self, messages, stop, callbacks, **kwargs)
+    traced = {k: kwargs.pop(k) for k in _TRACING if k in kwargs}
+    return await run.generate(self, messages, stop, Asked(callbacks, traced, kwargs))
+
+
+def _generate(
+    self: BaseChatModel,
+    messages: list[list[BaseMessage]],
+    stop: list[str] | None = None,
+    callbacks: Any = None,
+    **kwargs: Any,
+) -> LLMResult:
+    run = _ACTIVE.get()
+    if run is None:
+        return _ORIGINAL_GENERATE(self, messages, stop, callbacks, **kwargs)
+    traced = {k: kwargs.pop(k) for k in _TRACING if k in kwargs}
+    asked = run.generate(self, messages, stop, Asked(callbacks, traced, kwargs))
+    return cast("LLMResult", run.call_soon(asked))
+
+
+async def _arun(self: BaseTool, tool_input: Any, *args: Any, **kwargs: Any) -> Any:
+    run = _ACTIVE.get()
+    if run is None:
+        return await _ORIGINAL_ARUN(self, tool_input, *args, **kwargs)
+
+    async def execute() -> Any:
+        with _outside(run):  # a tool that calls a model runs as LangChain's own
+            return await _ORIGINAL_ARUN(self, tool_input, *args, **kwargs)
+
+    return await run.tool_step(self, tool_input, kwargs.get("tool_call_id"), execute)
+
+
+def _run(self: BaseTool, tool_input: Any, *args: Any, **kwargs: Any) -> Any:
+    run = _ACTIVE.get()
+    if run is None:
+        return _ORIGINAL_RUN(self, tool_input, *args, **kwargs)
+
+    async def execute() -> Any:
+        return await asyncio.to_thread(
+            contextvars.Context().run, _ORIGINAL_RUN, self, tool_input, *args, **kwargs
+        )
+
+    return run.call_soon(run.tool_step(self, tool_input, kwargs.get("tool_call_id"), execute))
+
+
+@contextlib.contextmanager
+def _outside(run: GraphPass) -> Iterator[None]:
+    token = _ACTIVE.set(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _astream(self: BaseChatModel, *args: Any, **kwargs: Any) -> Any:
+    if _ACTIVE.get() is not None:
+        raise UsageError(_STREAMS)
+    return _ORIGINAL_ASTREAM(self, *args, **kwargs)
+
+
+def _stream(self: BaseChatModel, *args: Any, **kwargs: Any) -> Any:
+    if _ACTIVE.get() is not None:
+        raise UsageError(_STREAMS)
+    return _ORIGINAL_STREAM(self, *args, **kwargs)
+
+
+def install() -> None:
+    """Route LangChain's chat models and tools through the pass driving them (once)."""
+    BaseChatModel.agenerate = _agenerate  # type: ignore[method-assign]
+    BaseChatModel.generate = _generate  # type: ignore[method-assign]
+    BaseChatModel.astream = _astream  # type: ignore[method-assign]
+    BaseChatModel.stream = _stream  # type: ignore[method-assign]
+    BaseTool.arun = _arun  # type: ignore[method-assign]
+    BaseTool.run = _run  # type: ignore[method-assign]

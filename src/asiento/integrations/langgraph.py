@@ -1,0 +1,240 @@
+"""LangGraph graphs, exactly-once on asiento's journal, without rewriting the graph.
+
+    from asiento.integrations.langgraph import durable_run
+
+    result = await durable_run(graph, {"messages": [("user", "refund order 42")]},
+                               run_id="refund-42", store=store, idempotent=["lookup_order"])
+
+Call it again with the same arguments after a crash: every chat-model call a node
+made is read back from the journal (never asked, never paid again), every tool call
+that has its outcome is not run again, a tool a crash left without one is run again
+only if it is ``idempotent`` (else ``UncertainEffect``), and the graph goes on from
+there. Each model request carries asiento's ``Idempotency-Key`` (``ChatOpenAI``,
+``ChatAnthropic``), so ``asiento gateway`` answers a re-sent one from the generation
+it kept. A changed graph (nodes, edges, a node's prompt, tools) is ``ReplayDivergence``.
+
+How: the graph is run from its start at every pass, on a checkpointer of its own (in
+memory, one per pass); the journal, not a checkpointer, is what happened. What a node
+does outside its model and tool calls runs again at each pass: keep effects in tools.
+Refused with a ``UsageError``, never silently at-least-once: subgraphs, two model calls
+at once (parallel nodes, ``Send``), a node that streams a model itself (``astream``),
+``interrupt()`` (not mapped to asiento's approvals yet). docs/integrations/langgraph.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+from langchain_core.load import dumpd
+from langchain_core.runnables import RunnableConfig
+from langgraph.checkpoint.memory import InMemorySaver
+from langgraph.pregel import Pregel
+
+from .. import step_ids
+from .._canonical import fingerprint
+from ..errors import AsientoError, LeaseLost, RunAbandoned, UsageError
+from ..events import Lease, Phase, RunStatus, Step, StepEvent
+from ..journal.base import Checkpointer
+from ..model import ModelRequest, ModelResponse
+from ..payloads import Final
+from ..replay import index
+from ..session import RunStats, Session
+from . import _langgraph_pass
+from ._langgraph_pass import GraphPass, revive
+from ._worker import pass_end
+
+__all__ = ["DurableResult", "WorkerAgent", "durable_run"]
+
+Graph = Pregel[Any, Any, Any, Any]
+
+_STATE_KEY = "langgraph_state"
+_langgraph_pass.install()
+
+
+@dataclass(frozen=True, slots=True)
+class DurableResult:
+    """What a durable run of a graph ended with: the graph's final state (for a closed
+    run, the recorded one), whether it was closed already (nothing ran), what this call
+    paid and what the journal saved it from paying again."""
+
+    run_id: str
+    output: Any
+    replayed: bool
+    stats: RunStats
+    abandoned: bool = False
+
+
+async def durable_run(
+    graph: Graph,
+    input: Any,
+    *,
+    run_id: str,
+    store: Checkpointer,
+    idempotent: Iterable[str] = (),
+    config: Mapping[str, Any] | None = None,
+    lease_ttl: float = 30.0,
+    wait: float = 0.0,
+    lease: Lease | None = None,
+) -> DurableResult:
+    """Run the compiled ``graph`` on ``input`` as run ``run_id`` of ``store``, to its end.
+
+    ``idempotent`` names the tools safe to run again when a crash left their outcome
+    unknown. ``config`` is the graph's own (``recursion_limit``, ``configurable``...);
+    its ``thread_id`` is asiento's. ``lease`` is one a worker claimed.
+    """
+    options = _Options.of(graph, idempotent, config, who="durable_run")
+    session = Session(run_id, _NoGateway(), store, lease_ttl=lease_ttl, wait=wait, lease=lease)
+    return await _drive(graph, input, session, options)
+
+
+@dataclass(frozen=True, slots=True)
+class _Options:
+    idempotent: frozenset[str]
+    config: Mapping[str, Any]
+    digest: str
+
+    @classmethod
+    def of(
+        cls, graph: object, idempotent: Iterable[str], config: Mapping[str, Any] | None, who: str
+    ) -> _Options:
+        if not isinstance(graph, Pregel):
+            raise UsageError(
+                f"{who}(graph=...) takes a compiled LangGraph graph (builder.compile()), "
+                f"got {type(graph).__name__}"
+            )
+        if isinstance(idempotent, str):
+            raise UsageError(f"{who}(idempotent=...) takes tool names, not one string")
+        if config is not None and not isinstance(config, Mapping):
+            raise UsageError(f"{who}(config=...) takes a mapping (RunnableConfig)")
+        return cls(frozenset(idempotent), dict(config or {}), _graph_digest(graph, who))
+
+
+def _graph_digest(graph: Graph, who: str) -> str:
+    """The graph's shape, hashed: its nodes, edges, branches and the tools of its
+    ToolNodes. A resumed run of another shape is ``ReplayDivergence`` at ``m1``."""
+    builder = getattr(graph, "builder", None)
+    nodes = getattr(builder, "nodes", None)
+    if not isinstance(nodes, Mapping):
+        raise UsageError(f"{who}(graph=...): only graphs built with StateGraph are supported")
+    shape: dict[str, Any] = {"nodes": {}, "edges": sorted(map(list, getattr(builder, "edges", ())))}
+    for name, spec in sorted(nodes.items()):
+        runnable = getattr(spec, "runnable", None)
+        if isinstance(runnable, Pregel):
+            raise UsageError(
+                f"{who}(graph=...): node {name!r} is a subgraph; subgraphs are not supported "
+                "yet (their model and tool calls would run outside the journal's order)"
+            )
+        tools = getattr(runnable, "tools_by_name", None)
+        shape["nodes"][name] = sorted(tools) if isinstance(tools, Mapping) else None
+    branches = getattr(builder, "branches", {})
+    shape["branches"] = {k: sorted(v) for k, v in sorted(branches.items())}
+    return fingerprint(shape)
+
+
+class _NoGateway:
+    """A session's gateway for a graph: its own chat models ask their providers."""
+
+    async def complete(self, request: ModelRequest, *, idempotency_key: str) -> ModelResponse:
+        raise UsageError("a LangGraph run asks its own chat models, not a gateway")
+
+
+async def _drive(graph: Graph, input: Any, session: Session, options: _Options) -> DurableResult:
+    store, run_id = session.store, session.run_id
+    final = await store.final(run_id)
+    if final is not None:
+        await session.settle_closed()
+        return _closed(run_id, session, final)
+    try:
+        async with session.driving() as held:
+            journal = index(await store.load(run_id))
+            run = GraphPass(
+                run_id,
+                store,
+                held,
+                journal,
+                idempotent=options.idempotent,
+                graph_digest=options.digest,
+                stats=session.stats,
+            )
+            own = graph.copy(update={"checkpointer": InMemorySaver()})
+            configurable = dict(options.config.get("configurable") or {})
+            configurable["thread_id"] = f"asiento:{run_id}"
+            config = cast("RunnableConfig", {**options.config, "configurable": configurable})
+            with run.active():
+                try:
+                    state = await own.ainvoke(input, config)
+                except BaseException:
+                    await run.keep_paid_answer()
+                    raise
+            await run.settle()
+            if isinstance(state, Mapping) and "__interrupt__" in state:
+                raise UsageError(
+                    f"run {run_id!r}: the graph called interrupt(); LangGraph's human-in-the-"
+                    "loop is not mapped to asiento's approvals yet"
+                )
+            last = step_ids.model(run.turns) if run.turns else step_ids.FINAL
+            closing = Final(step=last, text=run.last_text).to_json() | {_STATE_KEY: dumpd(state)}
+            await run.append(
+                run.event(step_ids.FINAL, Phase.RESULT, closing), status=RunStatus.CLOSED
+            )
+    except LeaseLost as exc:
+        abandoned = await _abandonment(session)
+        if abandoned is None:
+            raise
+        raise abandoned from exc
+    return DurableResult(run_id=run_id, output=state, replayed=False, stats=session.stats)
+
+
+def _closed(run_id: str, session: Session, final: StepEvent) -> DurableResult:
+    closed = Final.from_json(final.payload)
+    state = final.payload.get(_STATE_KEY)
+    output = revive(state) if state is not None else None
+    return DurableResult(
+        run_id=run_id, output=output, replayed=True, stats=session.stats, abandoned=closed.abandoned
+    )
+
+
+async def _abandonment(session: Session) -> RunAbandoned | None:
+    try:
+        final = await session.store.final(session.run_id)
+    except AsientoError:
+        return None
+    closed = None if final is None else Final.from_json(final.payload)
+    if closed is None or not closed.abandoned:
+        return None
+    return RunAbandoned(session.run_id, closed.text or "abandoned")
+
+
+class WorkerAgent:
+    """A graph as ``asiento worker`` drives it: ``App(agents={"support": WorkerAgent(graph)})``.
+
+    ``input`` builds the graph's input from the run's task (by default a user message:
+    ``{"messages": [("user", task)]}``). The app's gateway is not used: the graph's
+    chat models ask their own providers.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        *,
+        input: Callable[[str], Any] | None = None,
+        idempotent: Iterable[str] = (),
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.options = _Options.of(graph, idempotent, config, who="WorkerAgent")
+        self.graph = graph
+        self.input = input or (lambda task: {"messages": [("user", task)]})
+
+    async def run(self, task: str, *, session: Session) -> AsyncIterator[Step]:
+        """The pass's end as the worker counts it: the ``FinalStep``."""
+        result = await _drive(self.graph, self.input(task), session, self.options)
+        text = ""
+        final = await session.store.final(session.run_id)
+        if final is not None:
+            text = Final.from_json(final.payload).text
+        async for step in pass_end(
+            session, [], text=text, replayed=result.replayed, abandoned=result.abandoned
+        ):
+            yield step
