@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import json
 import logging
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -28,7 +29,7 @@ from typing import Any, cast
 from langchain_core._api.beta_decorator import LangChainBetaWarning
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.load import dumpd, load
-from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_core.tools import BaseTool, ToolException
 
@@ -40,8 +41,8 @@ from ..events import Lease, Phase, RunStatus
 from ..journal.base import Checkpointer
 from ..model import ModelResponse, ToolCall, Usage
 from ..outcomes import bounded
-from ..payloads import Intent, ModelResult, Outcome
-from ..replay import Action, Indexed, decide, step_state
+from ..payloads import Intent, ModelResult, Outcome, Resolution
+from ..replay import Action, Indexed, decide, index, step_state
 from ..session import RunStats
 from ._commits import HeldCommits
 
@@ -213,19 +214,33 @@ class GraphPass(HeldCommits):
     ) -> Any:
         """The tool's output: recorded, or run once now (``run``: the tool's own ``arun``)."""
         step_id = self.tool_step_id(tool_call_id)
+        return await self._tool_step(step_id, tool, tool_input, tool_call_id, run)
+
+    async def _tool_step(
+        self, step_id: str, tool: BaseTool, tool_input: Any, tool_call_id: str | None, run: Any
+    ) -> Any:
         state = step_state(self.journal, step_id)
         action = decide(state.records, idempotent=tool.name in self.idempotent)
         if action is Action.FEED_RESULT:
             self.stats.tool_calls_replayed += 1
-            return _fed(Outcome.from_json(state.records[Phase.RESULT].payload))
+            outcome = Outcome.from_json(state.records[Phase.RESULT].payload)
+            return _fed(outcome, tool.name, tool_call_id)
+        if action is Action.FEED_RESOLUTION:  # a person said what happened
+            self.stats.tool_calls_replayed += 1
+            resolution = Resolution.from_json(state.records[Phase.RESOLUTION].payload)
+            return _fed(resolution.as_outcome(), tool.name, tool_call_id)
         if action is Action.UNCERTAIN:
             await self.settle()
-            await self.store.set_status(
+            why = f"tool {tool.name!r} (step {state.current_id}) may or may not have run"
+            if not await self.store.set_status(
                 self.run_id,
                 RunStatus.UNCERTAIN,
+                reason=why,
                 lease=self.lease,
-                reason=f"tool {tool.name!r} (step {state.current_id}) may or may not have run",
-            )
+                waits_for=(state.current_id, Phase.RESOLUTION),
+            ):  # a person resolved it after this pass read the journal: read it again
+                self.journal = index(await self.store.load(self.run_id))
+                return await self._tool_step(step_id, tool, tool_input, tool_call_id, run)
             raise UncertainEffect(self.run_id, state.current_id, tool.name, "")
         if action not in (Action.START, Action.EXECUTE):
             raise UsageError(
@@ -259,7 +274,7 @@ class GraphPass(HeldCommits):
             raise
         await self.append(self.event(attempt_id, Phase.RESULT, outcome.to_json()))
         crash_point("after_result")
-        return output if outcome.status == "ok" else _fed(outcome)
+        return output if outcome.status == "ok" else _fed(outcome, tool.name, tool_call_id)
 
     def call_soon(self, coroutine: Any) -> Any:
         """Run one of this pass's steps from a sync node's thread, on the pass's loop."""
@@ -370,14 +385,19 @@ def _stored(output: Any, tool: str) -> Any:
     return {FRAMEWORK_KEY: dumped}
 
 
-def _fed(outcome: Outcome) -> Any:
-    """What the graph is handed for a recorded outcome: the output, or the tool's error."""
+def _fed(outcome: Outcome, tool: str, tool_call_id: str | None) -> Any:
+    """What the graph is handed for a recorded outcome: the output the tool gave (a
+    ``ToolMessage`` for a call the model asked for), or the tool's error."""
     if outcome.status != "ok":
         raise ToolException(outcome.error or outcome.reason or "the tool failed")
-    value = outcome.value if isinstance(outcome.value, dict) else {"value": outcome.value}
-    if FRAMEWORK_KEY in value:
+    value = outcome.value if isinstance(outcome.value, dict) else None
+    if value is not None and FRAMEWORK_KEY in value:
         return revive(value[FRAMEWORK_KEY])
-    return value.get("value")
+    plain = value.get("value") if value is not None and set(value) == {"value"} else outcome.value
+    if tool_call_id is None:
+        return plain
+    content = plain if isinstance(plain, str) else json.dumps(plain, ensure_ascii=False)
+    return ToolMessage(content=content, tool_call_id=tool_call_id, name=tool)
 
 
 def revive(dumped: Any) -> Any:

@@ -1,0 +1,294 @@
+"""A LangGraph graph on asiento's journal, in one process: replays instead of asking or
+running again, the journal's records, divergence, and what is refused rather than run
+at-least-once. Real processes killed with SIGKILL: test_langgraph_crashes.py."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+from langchain_core.messages import AIMessage
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.types import Send
+
+from asiento import (
+    App,
+    ReplayDivergence,
+    RunStatus,
+    SqliteCheckpointer,
+    UncertainEffect,
+    UsageError,
+    Worker,
+    resolve,
+    submit,
+)
+from asiento.events import Phase
+from asiento.integrations.langgraph import WorkerAgent, durable_run
+from asiento.testing import ScriptedGateway
+
+from .langgraph_graph import ASKED, TASK, ScriptedChat, build, lines, make_tools
+
+INPUT = {"messages": [("user", TASK)]}
+
+
+class _Crash(BaseException):
+    """A process dying mid-step, as far as the pass can tell: nothing after it runs."""
+
+
+@pytest.fixture(autouse=True)
+def _fresh_count() -> None:
+    ASKED.clear()
+
+
+async def _run(graph: Any, path: Path, **kwargs: Any) -> Any:
+    store = SqliteCheckpointer(path)
+    try:
+        return await durable_run(graph, INPUT, run_id="r1", store=store, **kwargs)
+    finally:
+        await store.close()
+
+
+def _contents(state: Any) -> list[str]:
+    return [str(m.content) for m in state["messages"]]
+
+
+async def test_a_graph_runs_once_and_a_closed_run_replays_its_state(tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    graph = build(ScriptedChat(), make_tools(ledger))
+    first = await _run(graph, tmp_path / "j.db")
+    assert _contents(first.output)[-1] == "refunded order 42 to ana"
+    assert len(ASKED) == 3
+    assert lines(ledger) == ["lookup 42", "refund 42 ana"]
+    assert (first.stats.model_calls, first.stats.tool_calls) == (3, 2)
+    again = await _run(graph, tmp_path / "j.db")
+    assert again.replayed
+    assert _contents(again.output) == _contents(first.output)
+    assert len(ASKED) == 3
+    assert lines(ledger) == ["lookup 42", "refund 42 ana"]
+    store = SqliteCheckpointer(tmp_path / "j.db")
+    ids = [(e.step_id, e.phase) for e in await store.load("r1")]
+    [run] = await store.runs()
+    await store.close()
+    assert ids == [
+        ("m1", Phase.RESULT),
+        ("m1.t1", Phase.INTENT),
+        ("m1.t1", Phase.SUBMITTED),
+        ("m1.t1", Phase.RESULT),
+        ("m2", Phase.RESULT),
+        ("m2.t1", Phase.INTENT),
+        ("m2.t1", Phase.SUBMITTED),
+        ("m2.t1", Phase.RESULT),
+        ("m3", Phase.RESULT),
+        ("final", Phase.RESULT),
+    ]
+    assert run.status == RunStatus.CLOSED
+    assert (run.model_calls, run.input_tokens) == (3, 33)
+
+
+async def test_a_pass_cut_between_super_steps_replays_what_it_recorded(tmp_path: Path) -> None:
+    """A node after the refund fails once (a crash between super-steps): the next pass
+    replays both model answers and both tools, asks only the third answer."""
+    ledger = tmp_path / "ledger"
+    tools = make_tools(ledger)
+    failed = {"once": False}
+
+    def audit(state: MessagesState) -> dict[str, Any]:
+        if not failed["once"] and any("issued" in str(m.content) for m in state["messages"]):
+            failed["once"] = True
+            raise RuntimeError("the audit service is down")
+        return {}
+
+    bound = ScriptedChat().bind_tools(tools)
+
+    async def agent(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [await bound.ainvoke(state["messages"])]}
+
+    from langgraph.prebuilt import ToolNode, tools_condition
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("agent", agent)
+    builder.add_node("tools", ToolNode(tools))
+    builder.add_node("audit", audit)
+    builder.add_edge(START, "agent")
+    builder.add_conditional_edges("agent", tools_condition, {"tools": "tools", END: END})
+    builder.add_edge("tools", "audit")
+    builder.add_edge("audit", "agent")
+    graph = builder.compile()
+    with pytest.raises(RuntimeError, match="audit service"):
+        await _run(graph, tmp_path / "j.db")
+    assert (len(ASKED), lines(ledger)) == (2, ["lookup 42", "refund 42 ana"])
+    resumed = await _run(graph, tmp_path / "j.db")
+    assert _contents(resumed.output)[-1] == "refunded order 42 to ana"
+    assert ASKED == [0, 1, 2]  # the third answer only
+    assert lines(ledger) == ["lookup 42", "refund 42 ana"]
+    assert (resumed.stats.model_calls_replayed, resumed.stats.tool_calls_replayed) == (2, 2)
+
+
+async def test_an_effect_cut_before_its_record_is_uncertain_and_a_person_settles_it(
+    tmp_path: Path,
+) -> None:
+    """The refund ran and the process died before its outcome was recorded: never run
+    again blindly (UncertainEffect); resolved by a person, the graph goes on from there.
+    The read-only lookup, cut the same way and declared idempotent, just runs again."""
+    ledger = tmp_path / "ledger"
+    lookup, refund = make_tools(ledger)
+    cut = {"lookup": 1, "refund": 1}
+    real = {"lookup": lookup.func, "refund": refund.func}
+
+    def dying(name: str) -> Any:
+        def run(**kwargs: Any) -> str:
+            out = real[name](**kwargs)  # type: ignore[operator]
+            if cut[name]:
+                cut[name] -= 1
+                raise _Crash
+            return str(out)
+
+        return run
+
+    lookup.func, refund.func = dying("lookup"), dying("refund")  # type: ignore[attr-defined]
+    graph = build(ScriptedChat(), [lookup, refund])
+    path = tmp_path / "j.db"
+    with pytest.raises(_Crash):
+        await _run(graph, path, idempotent=["lookup"])
+    with pytest.raises(_Crash):  # the lookup ran again (idempotent), then the refund died
+        await _run(graph, path, idempotent=["lookup"])
+    assert lines(ledger) == ["lookup 42", "lookup 42", "refund 42 ana"]
+    with pytest.raises(UncertainEffect) as stopped:
+        await _run(graph, path, idempotent=["lookup"])
+    assert stopped.value.step_id == "m2.t1"
+    assert lines(ledger) == ["lookup 42", "lookup 42", "refund 42 ana"]  # never again
+    store = SqliteCheckpointer(path)
+    [run] = await store.runs()
+    assert run.status == RunStatus.UNCERTAIN
+    await resolve(store, "r1", "m2.t1", happened=True, result="refund issued", by="ana")
+    await store.close()
+    done = await _run(graph, path, idempotent=["lookup"])
+    assert _contents(done.output)[-1] == "refunded order 42 to ana"
+    assert lines(ledger) == ["lookup 42", "lookup 42", "refund 42 ana"]
+
+
+async def test_a_changed_graph_or_prompt_is_a_divergence_naming_it(tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    tools = make_tools(ledger)
+    path = tmp_path / "j.db"
+    failing = build(ScriptedChat(), tools)
+    await _run(failing, path)  # closed; a new run id for the resumes below
+    store = SqliteCheckpointer(path)
+    await store.close()
+
+    async def resumed(graph: Any) -> Any:
+        store = SqliteCheckpointer(path)
+        try:
+            return await durable_run(graph, INPUT, run_id="r2", store=store)
+        finally:
+            await store.close()
+
+    # r2 stops after m1 (a crash in the lookup), then is resumed by changed graphs
+    lookup, refund = make_tools(ledger)
+    original = lookup.func
+
+    def crash(**kwargs: Any) -> str:
+        raise _Crash
+
+    lookup.func = crash  # type: ignore[attr-defined]
+    with pytest.raises(_Crash):
+        await resumed(build(ScriptedChat(), [lookup, refund]))
+    lookup.func = original  # type: ignore[attr-defined]
+    with pytest.raises(ReplayDivergence, match=r"node 'agent' asks the model something else"):
+        await resumed(build(ScriptedChat(), [lookup, refund], system="You refund any order."))
+    other = build(ScriptedChat(), [lookup, refund])
+    other.builder.add_node("extra", lambda state: {})
+    with pytest.raises(ReplayDivergence, match=r"the graph changed since the run began"):
+        await resumed(other.builder.compile())
+
+
+async def test_what_cannot_be_exactly_once_is_refused(tmp_path: Path) -> None:
+    tools = make_tools(tmp_path / "ledger")
+    inner = build(ScriptedChat(), tools)
+    outer = StateGraph(MessagesState)
+    outer.add_node("inner", inner)
+    outer.add_edge(START, "inner")
+    with pytest.raises(UsageError, match=r"node 'inner' is a subgraph"):
+        await _run(outer.compile(), tmp_path / "a.db")
+
+    model = ScriptedChat()
+
+    async def ask(state: dict[str, Any]) -> dict[str, Any]:
+        return {"messages": [await model.ainvoke(state["messages"])]}
+
+    def fan_out(state: MessagesState) -> list[Send]:
+        return [Send("ask", {"messages": state["messages"]}) for _ in range(2)]
+
+    fan = StateGraph(MessagesState)
+    fan.add_node("ask", ask)
+    fan.add_conditional_edges(START, fan_out, ["ask"])
+    with pytest.raises(UsageError, match=r"two chat-model calls at once"):
+        await _run(fan.compile(), tmp_path / "b.db")
+
+    async def streams(state: MessagesState) -> dict[str, Any]:
+        parts = [chunk async for chunk in model.astream(state["messages"])]
+        return {"messages": [AIMessage(content="".join(str(p.content) for p in parts))]}
+
+    streaming = StateGraph(MessagesState)
+    streaming.add_node("streams", streams)
+    streaming.add_edge(START, "streams")
+    with pytest.raises(UsageError, match=r"a node streams a chat model itself"):
+        await _run(streaming.compile(), tmp_path / "c.db")
+    with pytest.raises(UsageError, match=r"takes a compiled LangGraph graph"):
+        await _run(object(), tmp_path / "d.db")
+
+
+async def test_a_tool_called_inside_a_node_is_a_step_too(tmp_path: Path) -> None:
+    """A node that calls a tool directly (no ToolNode, no model tool call) gets its own
+    step after the last model step, replayed like any other."""
+    ledger = tmp_path / "ledger"
+    _, refund = make_tools(ledger)
+
+    async def pay(state: MessagesState) -> dict[str, Any]:
+        out = await refund.ainvoke({"order": 7, "to": "bo"})
+        return {"messages": [AIMessage(content=str(out))]}
+
+    failed = {"once": False}
+
+    def after(state: MessagesState) -> dict[str, Any]:
+        if not failed["once"]:
+            failed["once"] = True
+            raise RuntimeError("cut")
+        return {}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("pay", pay)
+    builder.add_node("after", after)
+    builder.add_edge(START, "pay")
+    builder.add_edge("pay", "after")
+    graph = builder.compile()
+    with pytest.raises(RuntimeError):
+        await _run(graph, tmp_path / "j.db")
+    done = await _run(graph, tmp_path / "j.db")
+    assert lines(ledger) == ["refund 7 bo"]
+    assert _contents(done.output)[-1] == "refund of order 7 to bo issued"
+    store = SqliteCheckpointer(tmp_path / "j.db")
+    assert [e.step_id for e in await store.load("r1")][:3] == ["m1.t1"] * 3
+    await store.close()
+
+
+async def test_a_worker_drives_a_graph(tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    store = SqliteCheckpointer(tmp_path / "j.db")
+    app = App(
+        agents={"support": WorkerAgent(build(ScriptedChat(), make_tools(ledger)))},
+        gateway=ScriptedGateway([]),  # unused: the graph's model asks for itself
+    )
+    await submit(store, "w1", TASK, agent="support")
+    worker = Worker(store, app, poll=0.01)
+    await asyncio.wait_for(worker.run(until_idle=True, max_seconds=20), 30)
+    [run] = await store.runs()
+    final = await store.final("w1")
+    await store.close()
+    assert run.status == RunStatus.CLOSED
+    assert final is not None
+    assert final.payload["text"] == "refunded order 42 to ana"
+    assert worker.stats.closed == 1
+    assert lines(ledger) == ["lookup 42", "refund 42 ana"]
