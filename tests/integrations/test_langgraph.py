@@ -5,6 +5,8 @@ at-least-once. Real processes killed with SIGKILL: test_langgraph_crashes.py."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -292,3 +294,72 @@ async def test_a_worker_drives_a_graph(tmp_path: Path) -> None:
     assert final.payload["text"] == "refunded order 42 to ana"
     assert worker.stats.closed == 1
     assert lines(ledger) == ["lookup 42", "refund 42 ana"]
+
+
+def _confirming_graph(ledger: Path) -> Any:
+    """A node asks a person before the refund (``interrupt``) and tells the model a
+    denial; the refund tool runs only when approved."""
+    from langgraph.types import interrupt
+
+    _, refund = make_tools(ledger)
+    model = ScriptedChat()
+
+    async def confirm(state: MessagesState) -> dict[str, Any]:
+        answer = interrupt({"refund": 42, "to": "ana", "amount": "30 EUR"})
+        if not answer["approved"]:
+            note = f"the refund was denied by {answer['by']}: {answer['reason']}"
+            return {"messages": [("user", note)]}
+        done = await refund.ainvoke({"order": 42, "to": "ana"})
+        return {"messages": [("user", str(done))]}
+
+    async def answer(state: MessagesState) -> dict[str, Any]:
+        return {"messages": [await model.ainvoke(state["messages"])]}
+
+    builder = StateGraph(MessagesState)
+    builder.add_node("confirm", confirm)
+    builder.add_node("answer", answer)
+    builder.add_edge(START, "confirm")
+    builder.add_edge("confirm", "answer")
+    builder.add_edge("answer", END)
+    return builder.compile()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "asiento", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize("decision", ["approve", "deny"])
+async def test_an_interrupt_is_an_approval_decided_from_the_cli_in_another_process(
+    tmp_path: Path, decision: str
+) -> None:
+    ledger, path = tmp_path / "ledger", tmp_path / "j.db"
+    graph = _confirming_graph(ledger)
+    waiting = await _run(graph, path)
+    assert waiting.awaiting == ("m1.t1",)
+    assert waiting.output is None
+    store = SqliteCheckpointer(path)
+    [run] = await store.runs()
+    await store.close()
+    assert run.status == RunStatus.SUSPENDED
+    again = await _run(graph, path)  # nobody decided: still waiting, nothing ran
+    assert again.awaiting == ("m1.t1",)
+    assert lines(ledger) == []
+    shown = _cli("show", "r1", "--store", str(path))
+    assert "awaiting approval: m1.t1 interrupt(" in shown.stdout, shown.stdout
+    extra = ["--reason", "over the limit"] if decision == "deny" else []
+    decided = _cli(decision, "r1", "m1.t1", "--by", "ana", *extra, "--store", str(path))
+    assert decided.returncode == 0, decided.stderr
+    done = await _run(graph, path)
+    assert done.awaiting == ()
+    said = _contents(done.output)
+    if decision == "approve":
+        assert lines(ledger) == ["refund 42 ana"]
+        assert "refund of order 42 to ana issued" in said
+    else:
+        assert lines(ledger) == []
+        assert "the refund was denied by ana: over the limit" in said
+    assert len(ASKED) == 1  # the model answered once, after the person
+    closed = await _run(graph, path)
+    assert closed.replayed
+    assert lines(ledger) == (["refund 42 ana"] if decision == "approve" else [])

@@ -37,18 +37,19 @@ from .. import step_ids
 from .._canonical import fingerprint, key_header, model_key
 from .._crash import crash_point
 from ..errors import JournalCorrupt, ReplayDivergence, UncertainEffect, UsageError
-from ..events import Lease, Phase, RunStatus
+from ..events import Decision, Lease, Phase, RunStatus
 from ..journal.base import Checkpointer
 from ..model import ModelResponse, ToolCall, Usage
 from ..outcomes import bounded
-from ..payloads import Intent, ModelResult, Outcome, Resolution
-from ..replay import Action, Indexed, decide, index, step_state
+from ..payloads import Approval, Intent, ModelResult, Outcome, Resolution
+from ..replay import Action, Indexed, check_approval, decide, index, step_state
 from ..session import RunStats
 from ._commits import HeldCommits
 
 log = logging.getLogger("asiento")
 
 FRAMEWORK_KEY = "langchain"
+INTERRUPT = "interrupt"  # the tool name of a graph's interrupt() in the journal
 _ACTIVE: contextvars.ContextVar[GraphPass | None] = contextvars.ContextVar(
     "asiento_langgraph_pass", default=None
 )
@@ -275,6 +276,48 @@ class GraphPass(HeldCommits):
         await self.append(self.event(attempt_id, Phase.RESULT, outcome.to_json()))
         crash_point("after_result")
         return output if outcome.status == "ok" else _fed(outcome, tool.name, tool_call_id)
+
+    # -- a person: interrupt() ------------------------------------------------------------
+
+    async def person(self, interrupts: Sequence[Any]) -> tuple[str, dict[str, Any] | None]:
+        """The step of the graph's ``interrupt()`` and a person's answer to it (None: the
+        run waits for it, suspended, as for an approval: ``asiento approve`` / ``deny``)."""
+        if len(interrupts) != 1:
+            raise UsageError(
+                f"run {self.run_id!r}: {len(interrupts)} interrupts at once (parallel nodes): "
+                "their order is not deterministic; interrupt from one node at a time"
+            )
+        asked = {"value": _jsonable(interrupts[0].value)}
+        fp = fingerprint(asked)[:32]
+        step_id = self.tool_step_id(None)
+        records = self.journal.get(step_id, {})
+        intent = records.get(Phase.INTENT)
+        if intent is None:
+            frozen = Intent(tool=INTERRUPT, args=asked, fp=fp)
+            event = self.event(step_id, Phase.INTENT, frozen.to_json(), Decision.REQUIRE_APPROVAL)
+            await self.append(event, status=RunStatus.SUSPENDED)
+            return step_id, None
+        if Intent.from_json(intent.payload).fp != fp:
+            raise ReplayDivergence(
+                self.run_id,
+                step_id,
+                "the graph interrupts with another value than the one a person was shown",
+            )
+        approval = records.get(Phase.APPROVAL)
+        if approval is None:
+            await self.settle()
+            if await self.store.set_status(
+                self.run_id,
+                RunStatus.SUSPENDED,
+                lease=self.lease,
+                waits_for=(step_id, Phase.APPROVAL),
+            ):
+                return step_id, None
+            self.journal = index(await self.store.load(self.run_id))  # decided meanwhile
+            approval = self.journal[step_id][Phase.APPROVAL]
+        check_approval(intent, approval)
+        decided = Approval.from_json(approval.payload)
+        return step_id, {"approved": decided.approved, "by": decided.by, "reason": decided.reason}
 
     def call_soon(self, coroutine: Any) -> Any:
         """Run one of this pass's steps from a sync node's thread, on the pass's loop."""

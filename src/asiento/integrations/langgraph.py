@@ -16,9 +16,12 @@ it kept. A changed graph (nodes, edges, a node's prompt, tools) is ``ReplayDiver
 How: the graph is run from its start at every pass, on a checkpointer of its own (in
 memory, one per pass); the journal, not a checkpointer, is what happened. What a node
 does outside its model and tool calls runs again at each pass: keep effects in tools.
+A node's ``interrupt(value)`` is an asiento approval: the run is suspended, a person
+approves or denies it (``asiento approve`` / ``deny``, the web page: bound to the value
+shown), and the graph is resumed with ``{"approved": bool, "by": ..., "reason": ...}``.
 Refused with a ``UsageError``, never silently at-least-once: subgraphs, two model calls
-at once (parallel nodes, ``Send``), a node that streams a model itself (``astream``),
-``interrupt()`` (not mapped to asiento's approvals yet). docs/integrations/langgraph.md.
+at once (parallel nodes, ``Send``), a node that streams a model itself (``astream``).
+docs/integrations/langgraph.md.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from langchain_core.load import dumpd
 from langchain_core.runnables import RunnableConfig
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.pregel import Pregel
+from langgraph.types import Command
 
 from .. import step_ids
 from .._canonical import fingerprint
@@ -50,6 +54,7 @@ __all__ = ["DurableResult", "WorkerAgent", "durable_run"]
 Graph = Pregel[Any, Any, Any, Any]
 
 _STATE_KEY = "langgraph_state"
+_MAX_INTERRUPTS = 10_000  # a graph answered more often than this in one pass loops
 _langgraph_pass.install()
 
 
@@ -57,13 +62,17 @@ _langgraph_pass.install()
 class DurableResult:
     """What a durable run of a graph ended with: the graph's final state (for a closed
     run, the recorded one), whether it was closed already (nothing ran), what this call
-    paid and what the journal saved it from paying again."""
+    paid and what the journal saved it from paying again. ``awaiting`` names the step
+    of an ``interrupt()`` that waits for a person (``asiento approve`` / ``deny``): the
+    run is suspended there and ``output`` is None; the next call after the decision
+    resumes the graph with ``{"approved": bool, "by": ..., "reason": ...}``."""
 
     run_id: str
     output: Any
     replayed: bool
     stats: RunStats
     abandoned: bool = False
+    awaiting: tuple[str, ...] = ()  # the interrupt() step a person must answer
 
 
 async def durable_run(
@@ -165,15 +174,26 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
             with run.active():
                 try:
                     state = await own.ainvoke(input, config)
+                    for _ in range(_MAX_INTERRUPTS):
+                        interrupts = (
+                            state.get("__interrupt__") if isinstance(state, Mapping) else None
+                        )
+                        if not interrupts:
+                            break
+                        step_id, answer = await run.person(interrupts)
+                        if answer is None:  # waits for a person
+                            return DurableResult(
+                                run_id=run_id,
+                                output=None,
+                                replayed=False,
+                                stats=session.stats,
+                                awaiting=(step_id,),
+                            )
+                        state = await own.ainvoke(Command(resume=answer), config)
                 except BaseException:
                     await run.keep_paid_answer()
                     raise
             await run.settle()
-            if isinstance(state, Mapping) and "__interrupt__" in state:
-                raise UsageError(
-                    f"run {run_id!r}: the graph called interrupt(); LangGraph's human-in-the-"
-                    "loop is not mapped to asiento's approvals yet"
-                )
             last = step_ids.model(run.turns) if run.turns else step_ids.FINAL
             closing = Final(step=last, text=run.last_text).to_json() | {_STATE_KEY: dumpd(state)}
             await run.append(
@@ -235,6 +255,10 @@ class WorkerAgent:
         if final is not None:
             text = Final.from_json(final.payload).text
         async for step in pass_end(
-            session, [], text=text, replayed=result.replayed, abandoned=result.abandoned
+            session,
+            list(result.awaiting),
+            text=text,
+            replayed=result.replayed,
+            abandoned=result.abandoned,
         ):
             yield step
