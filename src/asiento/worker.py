@@ -173,6 +173,7 @@ class Worker:
         """
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         self._stopped_by_shutdown = False
+        metrics.watch_waiting(self.store, asyncio.get_running_loop())
         try:
             await self._claim_and_start(until_idle, deadline)
         except asyncio.CancelledError:
@@ -181,6 +182,8 @@ class Worker:
         except BaseException:  # a claim failed or was cut short: the runs in flight go on
             await self._finish_in_flight(cancel=False)
             raise
+        finally:
+            metrics.watch_waiting(self.store, None)
         await self._finish_in_flight(cancel=False)
         if shutdown.requested():
             self._stopped_by_shutdown = True

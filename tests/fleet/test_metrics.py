@@ -325,3 +325,42 @@ async def test_metrics_without_the_extra_name_the_install(
     assert done.returncode == 1, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "pip install 'asiento[metrics]'" in done.stderr
+
+
+async def test_runs_waiting_for_a_person_are_read_from_the_store_when_collected(
+    reader: InMemoryMetricReader, sqlite_path: Path
+) -> None:
+    """asiento.runs.waiting: a run suspended for an approval and one stopped uncertain,
+    read from the running worker's store when a reader (another thread) collects."""
+    from asiento import require_approval_for
+
+    @tool
+    def pay(amount: int) -> str:
+        """Pay."""
+        return "paid"
+
+    script = [ModelResponse(tool_calls=[ToolCall(name="pay", arguments={"amount": 1})])]
+    agent = Agent(tools=[pay], policy=require_approval_for("pay"))
+    app = App(agents={"default": agent}, gateway=lambda: ScriptedGateway(script))
+    store = SqliteCheckpointer(sqlite_path)
+    await submit(store, "asks", "go")
+    await submit(store, "other", "go")
+    await store.set_status("other", RunStatus.UNCERTAIN, reason="a test's")
+    worker = Worker(store, app, poll=0.01)
+    running = asyncio.create_task(worker.run(max_seconds=10))
+    try:
+        for _ in range(200):  # at most 10 s: the run stops for its approval
+            info = await store.run("asks")
+            if info is not None and info.status is RunStatus.SUSPENDED:
+                break
+            await asyncio.sleep(0.05)
+        seen = await asyncio.to_thread(figures, reader)  # a reader's thread, as a scrape
+    finally:
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+    after_stop = await asyncio.to_thread(figures, reader)
+    await store.close()
+    assert seen[("asiento.runs.waiting", (("status", "suspended"),))] == 1
+    assert seen[("asiento.runs.waiting", (("status", "uncertain"),))] == 1
+    assert ("asiento.runs.waiting", (("status", "suspended"),)) not in after_stop

@@ -16,6 +16,7 @@ claim, or the worker for a run whose agent it lacks), a quota wait by the ``Quot
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 from collections.abc import Iterable, Iterator
@@ -85,6 +86,56 @@ class _WorstLag:
         return [] if worst is None else [Observation(worst)]
 
 
+class _Waiting:
+    """How many runs wait for a person (suspended, uncertain), read from the store of the
+    worker running in this process when a reader collects: nothing is asked otherwise."""
+
+    _READ_SECONDS: Final = 2.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._source: tuple[Any, asyncio.AbstractEventLoop] | None = None
+
+    def watch(self, store: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+        with self._lock:
+            self._source = None if loop is None else (store, loop)
+
+    def observe(self, _options: CallbackOptions) -> Iterable[Observation]:
+        from opentelemetry.metrics import Observation
+
+        with self._lock:
+            source = self._source
+        if source is None:
+            return []
+        store, loop = source
+        if _running_loop() is loop:  # collected on the worker's own loop: it cannot wait
+            return []
+        found: list[Observation] = []
+        for status in ("suspended", "uncertain"):
+            if loop.is_closed():
+                return found
+            asked = asyncio.run_coroutine_threadsafe(_count(store, status), loop)
+            try:
+                found.append(Observation(asked.result(self._READ_SECONDS), {"status": status}))
+            except Exception:  # a busy or stopped loop, a store away: no figure this time
+                asked.cancel()
+                return found
+        return found
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+async def _count(store: Any, status: str) -> int:
+    from ..events import RunStatus
+
+    return len(await store.runs(status=RunStatus(status)))
+
+
 class _Instruments:
     """The worker's instruments, made once from the global meter."""
 
@@ -112,6 +163,14 @@ class _Instruments:
             [self.worst_lag.observe],
             "s",
             "The largest renewal lag since the previous collection (scrape).",
+        )
+        self.waiting = _Waiting()
+        meter.create_observable_gauge(
+            "asiento.runs.waiting",
+            [self.waiting.observe],
+            "{run}",
+            "Runs waiting for a person: an approval or a budget raise (suspended), or an "
+            "uncertain effect; read from the store at each collection.",
         )
         self.parked = meter.create_counter(
             "asiento.runs.parked", "{run}", "Runs this process parked, by cause."
@@ -160,6 +219,13 @@ def _instruments() -> _Instruments | None:
 
 
 _ON: Final = _instruments()
+
+
+def watch_waiting(store: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+    """The store whose runs waiting for a person ``asiento.runs.waiting`` reads (on
+    ``loop``, the worker's), or none (``loop`` None: the worker stopped)."""
+    if _ON is not None:
+        _ON.waiting.watch(store, loop)
 
 
 def claimed(runs: int = 1) -> None:
