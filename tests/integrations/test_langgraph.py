@@ -363,3 +363,58 @@ async def test_an_interrupt_is_an_approval_decided_from_the_cli_in_another_proce
     closed = await _run(graph, path)
     assert closed.replayed
     assert lines(ledger) == (["refund 42 ana"] if decision == "approve" else [])
+
+
+@pytest.mark.parametrize("decision", ["approve", "deny"])
+async def test_a_tool_the_policy_holds_waits_for_a_person_then_runs_once_or_is_denied(
+    tmp_path: Path, decision: str
+) -> None:
+    """policy=require_approval_for("refund"): the ToolNode's refund call stops the run
+    (suspended, the call's arguments frozen); approved it runs once, denied the model
+    is told and the refund never runs."""
+    from asiento import approve, deny, require_approval_for
+
+    ledger, path = tmp_path / "ledger", tmp_path / "j.db"
+    graph = build(ScriptedChat(), make_tools(ledger))
+    policy = require_approval_for("refund")
+    waiting = await _run(graph, path, policy=policy)
+    assert waiting.awaiting == ("m2.t1",)
+    assert lines(ledger) == ["lookup 42"]
+    store = SqliteCheckpointer(path)
+    [run] = await store.runs()
+    assert run.status == RunStatus.SUSPENDED
+    if decision == "approve":
+        await approve(store, "r1", "m2.t1", by="ana")
+    else:
+        await deny(store, "r1", "m2.t1", by="ana", reason="over the limit")
+    await store.close()
+    done = await _run(graph, path, policy=policy)
+    said = _contents(done.output)
+    if decision == "approve":
+        assert lines(ledger) == ["lookup 42", "refund 42 ana"]
+        assert "refund of order 42 to ana issued" in said
+    else:
+        assert lines(ledger) == ["lookup 42"]
+        assert "denied: over the limit" in said
+    assert said[-1] == "refunded order 42 to ana"  # the script's last turn either way
+    assert ASKED == [0, 1, 2]
+    again = await _run(graph, path, policy=policy)
+    assert again.replayed
+
+
+async def test_a_call_the_policy_denies_never_runs_and_the_model_is_told(tmp_path: Path) -> None:
+    from asiento import Decision
+
+    ledger, path = tmp_path / "ledger", tmp_path / "j.db"
+    graph = build(ScriptedChat(), make_tools(ledger))
+
+    def policy(call: Any) -> Decision:
+        return Decision.DENY if call.name == "refund" else Decision.ALLOW
+
+    done = await _run(graph, path, policy=policy)
+    assert lines(ledger) == ["lookup 42"]
+    assert "denied: denied by policy" in _contents(done.output)
+    store = SqliteCheckpointer(path)
+    intent = [e for e in await store.load_step("r1", "m2.t1") if e.phase is Phase.INTENT]
+    await store.close()
+    assert intent[0].decision == Decision.DENY

@@ -42,7 +42,8 @@ from ..journal.base import Checkpointer
 from ..model import ModelResponse, ToolCall, Usage
 from ..outcomes import bounded
 from ..payloads import Approval, Intent, ModelResult, Outcome, Resolution
-from ..replay import Action, Indexed, check_approval, decide, index, step_state
+from ..policy import Policy, ask_policy
+from ..replay import Action, Indexed, StepState, check_approval, decide, index, step_state
 from ..session import RunStats
 from ._commits import HeldCommits
 
@@ -75,6 +76,14 @@ class Asked:
         return str(metadata.get("langgraph_node", "?"))
 
 
+class Suspended(BaseException):
+    """A tool call waits for a person's approval: the pass stops there, suspended."""
+
+    def __init__(self, step_id: str) -> None:
+        super().__init__(step_id)
+        self.step_id = step_id
+
+
 class GraphPass(HeldCommits):
     """The steps of one pass: what the journal holds, what this pass asks and runs."""
 
@@ -88,9 +97,11 @@ class GraphPass(HeldCommits):
         idempotent: frozenset[str],
         graph_digest: str,
         stats: RunStats,
+        policy: Policy | None = None,
     ) -> None:
         super().__init__(run_id, store, lease, journal)
         self.idempotent, self.graph_digest, self.stats = idempotent, graph_digest, stats
+        self.policy = policy
         self.turns = 0
         self.calls: dict[str, str] = {}  # a tool call's id -> its step id
         self.direct: dict[str, int] = {}  # a model step -> tool steps numbered after its calls
@@ -243,18 +254,52 @@ class GraphPass(HeldCommits):
                 self.journal = index(await self.store.load(self.run_id))
                 return await self._tool_step(step_id, tool, tool_input, tool_call_id, run)
             raise UncertainEffect(self.run_id, state.current_id, tool.name, "")
-        if action not in (Action.START, Action.EXECUTE):
-            raise UsageError(
-                f"run {self.run_id!r} step {step_id!r}: {action.value} is not mapped for "
-                "LangGraph tools (approvals are interrupt() in a node)"
-            )
+        if action is Action.AWAIT_APPROVAL:
+            await self.settle()
+            if not await self.store.set_status(
+                self.run_id,
+                RunStatus.SUSPENDED,
+                lease=self.lease,
+                waits_for=(step_id, Phase.APPROVAL),
+            ):  # a person decided after this pass read the journal: read it again
+                self.journal = index(await self.store.load(self.run_id))
+                return await self._tool_step(step_id, tool, tool_input, tool_call_id, run)
+            raise Suspended(step_id)
+        if action is Action.FEED_DENIAL:  # a person denied it: recorded, and the model told
+            denial = Approval.from_json(state.records[Phase.APPROVAL].payload).as_outcome()
+            await self.append(self.event(step_id, Phase.RESULT, denial.to_json(), Decision.DENIED))
+            return _fed(denial, tool.name, tool_call_id)
+        return await self._execute(
+            state, action, tool, tool_input, tool_call_id=tool_call_id, run=run
+        )
+
+    async def _execute(
+        self,
+        state: StepState,
+        action: Action,
+        tool: BaseTool,
+        tool_input: Any,
+        *,
+        tool_call_id: str | None,
+        run: Any,
+    ) -> Any:
+        """A new call (the policy asked first) or one to run again: durable, run, recorded."""
+        step_id = state.step_id
         args = tool_input if isinstance(tool_input, dict) else {"input": tool_input}
         attempt_id = state.next_id
         new = []
         if action is Action.START:
             crash_point("before_intent")
             intent = Intent(tool=tool.name, args=dict(args), fp=fingerprint(args)[:32])
-            new.append(self.event(step_id, Phase.INTENT, intent.to_json()))
+            decision = await self._decision(tool.name, args)
+            new.append(self.event(step_id, Phase.INTENT, intent.to_json(), decision))
+            if decision is Decision.DENY:
+                denied = Outcome.denied("policy", "denied by policy")
+                await self.append(*new, self.event(step_id, Phase.RESULT, denied.to_json()))
+                return _fed(denied, tool.name, tool_call_id)
+            if decision is Decision.REQUIRE_APPROVAL:
+                await self.append(*new, status=RunStatus.SUSPENDED)
+                raise Suspended(step_id)
         new.append(self.event(attempt_id, Phase.SUBMITTED, {}))
         await self.append(*new)
         crash_point("after_submitted")
@@ -276,6 +321,12 @@ class GraphPass(HeldCommits):
         await self.append(self.event(attempt_id, Phase.RESULT, outcome.to_json()))
         crash_point("after_result")
         return output if outcome.status == "ok" else _fed(outcome, tool.name, tool_call_id)
+
+    async def _decision(self, name: str, args: Mapping[str, Any]) -> Decision | None:
+        """The policy's word on a new call (None: no policy, it runs)."""
+        if self.policy is None:
+            return None
+        return await ask_policy(self.policy, ToolCall(name=name, arguments=dict(args)))
 
     # -- a person: interrupt() ------------------------------------------------------------
 
@@ -431,6 +482,12 @@ def _stored(output: Any, tool: str) -> Any:
 def _fed(outcome: Outcome, tool: str, tool_call_id: str | None) -> Any:
     """What the graph is handed for a recorded outcome: the output the tool gave (a
     ``ToolMessage`` for a call the model asked for), or the tool's error."""
+    if outcome.status == "denied":  # the model is told, as a native tool's denial
+        if tool_call_id is None:
+            return outcome.text()
+        return ToolMessage(
+            content=outcome.text(), tool_call_id=tool_call_id, name=tool, status="error"
+        )
     if outcome.status != "ok":
         raise ToolException(outcome.error or outcome.reason or "the tool failed")
     value = outcome.value if isinstance(outcome.value, dict) else None

@@ -43,10 +43,11 @@ from ..events import Lease, Phase, RunStatus, Step, StepEvent
 from ..journal.base import Checkpointer
 from ..model import ModelRequest, ModelResponse
 from ..payloads import Final
+from ..policy import Policy
 from ..replay import index
 from ..session import RunStats, Session
 from . import _langgraph_pass
-from ._langgraph_pass import GraphPass, revive
+from ._langgraph_pass import GraphPass, Suspended, revive
 from ._worker import pass_end
 
 __all__ = ["DurableResult", "WorkerAgent", "durable_run"]
@@ -82,6 +83,7 @@ async def durable_run(
     run_id: str,
     store: Checkpointer,
     idempotent: Iterable[str] = (),
+    policy: Policy | None = None,
     config: Mapping[str, Any] | None = None,
     lease_ttl: float = 30.0,
     wait: float = 0.0,
@@ -90,10 +92,13 @@ async def durable_run(
     """Run the compiled ``graph`` on ``input`` as run ``run_id`` of ``store``, to its end.
 
     ``idempotent`` names the tools safe to run again when a crash left their outcome
-    unknown. ``config`` is the graph's own (``recursion_limit``, ``configurable``...);
-    its ``thread_id`` is asiento's. ``lease`` is one a worker claimed.
+    unknown. ``policy`` (asiento's, e.g. ``require_approval_for("refund")``) decides
+    each new tool call: allowed, denied (the model is told), or waiting for a person's
+    approval (the run is suspended there; ``awaiting`` names the step). ``config`` is
+    the graph's own (``recursion_limit``, ``configurable``...); its ``thread_id`` is
+    asiento's. ``lease`` is one a worker claimed.
     """
-    options = _Options.of(graph, idempotent, config, who="durable_run")
+    options = _Options.of(graph, idempotent, config, policy, who="durable_run")
     session = Session(run_id, _NoGateway(), store, lease_ttl=lease_ttl, wait=wait, lease=lease)
     return await _drive(graph, input, session, options)
 
@@ -103,10 +108,16 @@ class _Options:
     idempotent: frozenset[str]
     config: Mapping[str, Any]
     digest: str
+    policy: Policy | None
 
     @classmethod
     def of(
-        cls, graph: object, idempotent: Iterable[str], config: Mapping[str, Any] | None, who: str
+        cls,
+        graph: object,
+        idempotent: Iterable[str],
+        config: Mapping[str, Any] | None,
+        policy: Policy | None,
+        who: str,
     ) -> _Options:
         if not isinstance(graph, Pregel):
             raise UsageError(
@@ -117,7 +128,10 @@ class _Options:
             raise UsageError(f"{who}(idempotent=...) takes tool names, not one string")
         if config is not None and not isinstance(config, Mapping):
             raise UsageError(f"{who}(config=...) takes a mapping (RunnableConfig)")
-        return cls(frozenset(idempotent), dict(config or {}), _graph_digest(graph, who))
+        if policy is not None and not callable(policy):
+            raise UsageError(f"{who}(policy=...) takes a policy (a callable of a ToolCall)")
+        digest = _graph_digest(graph, who)
+        return cls(frozenset(idempotent), dict(config or {}), digest, policy)
 
 
 def _graph_digest(graph: Graph, who: str) -> str:
@@ -166,6 +180,7 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
                 idempotent=options.idempotent,
                 graph_digest=options.digest,
                 stats=session.stats,
+                policy=options.policy,
             )
             own = graph.copy(update={"checkpointer": InMemorySaver()})
             configurable = dict(options.config.get("configurable") or {})
@@ -190,6 +205,15 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
                                 awaiting=(step_id,),
                             )
                         state = await own.ainvoke(Command(resume=answer), config)
+                except Suspended as stop:  # a tool call waits for a person's approval
+                    await run.settle()
+                    return DurableResult(
+                        run_id=run_id,
+                        output=None,
+                        replayed=False,
+                        stats=session.stats,
+                        awaiting=(stop.step_id,),
+                    )
                 except BaseException:
                     await run.keep_paid_answer()
                     raise
@@ -241,9 +265,10 @@ class WorkerAgent:
         *,
         input: Callable[[str], Any] | None = None,
         idempotent: Iterable[str] = (),
+        policy: Policy | None = None,
         config: Mapping[str, Any] | None = None,
     ) -> None:
-        self.options = _Options.of(graph, idempotent, config, who="WorkerAgent")
+        self.options = _Options.of(graph, idempotent, config, policy, who="WorkerAgent")
         self.graph = graph
         self.input = input or (lambda task: {"messages": [("user", task)]})
 
