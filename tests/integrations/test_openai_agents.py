@@ -712,3 +712,129 @@ def test_worker_agent_takes_only_an_sdk_agent() -> None:
 
     with pytest.raises(UsageError, match=r"agents\.Agent"):
         WorkerAgent(object())  # type: ignore[arg-type]
+
+
+def _lookup_then_refund(
+    looked: list[int], refunded: list[int]
+) -> tuple[list[agents.FunctionTool], tuple[Answer, ...]]:
+    """A plain ``lookup`` and a ``refund`` that needs approval, each real run appended to
+    its list, and the script that calls ``lookup``, then ``refund``, then says "finished"."""
+
+    @function_tool
+    def lookup(order: int) -> str:
+        """Read an order."""
+        looked.append(order)
+        return "order 42: 9.5"
+
+    @function_tool(needs_approval=True)
+    def refund(order: int, amount: float) -> str:
+        """Refund an order."""
+        refunded.append(order)
+        return "refunded"
+
+    script = (
+        Answer(calls=(("lookup", {"order": 42}),)),
+        Answer(calls=(REFUND,)),
+        Answer(text="finished"),
+    )
+    return [lookup, refund], script
+
+
+_PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
+
+
+@pytest.mark.parametrize("tracing", [False, True], ids=["untraced", "traced"])
+@pytest.mark.parametrize("api", sorted(_PATHS))
+async def test_an_approval_after_a_plain_tool_replays_exactly(
+    tmp_path: Path, clients: list[openai.AsyncOpenAI], *, api: str, tracing: bool
+) -> None:
+    """lookup (no approval) in m1, then refund (needs approval) in m2: the pass after the
+    person's approval replays m1, m1.t1 and m2 as recorded (no ReplayDivergence at m2:
+    m1's function call, read back from the journal, is the item the SDK built live, no
+    field set that was unset), runs the refund once and closes; lookup ran once, nothing
+    is paid twice."""
+    looked: list[int] = []
+    refunded: list[int] = []
+    tools, script = _lookup_then_refund(looked, refunded)
+    with FakeProvider(script) as provider:
+        config = None
+        if api == "chat":
+            agent = Agent(name="refunds", model=_model(provider, clients), tools=tools)
+        else:
+            clients.append(sdk(provider))
+            agent = Agent(name="refunds", model="gpt-test", tools=tools)
+            provided = OpenAIProvider(openai_client=clients[-1], use_responses=True)
+            config = RunConfig(model_provider=provided)
+        store = SqliteCheckpointer(tmp_path / "runs.db")
+
+        async def once() -> Any:
+            return await durable_run(
+                agent, TASK, run_id=RUN, store=store, run_config=config, tracing=tracing
+            )
+
+        try:
+            waiting = await once()
+            assert (waiting.awaiting, looked, refunded) == ("m2.t1", [42], [])
+            await asiento.approve(store, RUN, "m2.t1", by="ana")
+            done = await once()
+            again = await once()
+        finally:
+            await store.close()
+        assert billed_per_step(provider) == {"m1": 1, "m2": 1, "m3": 1}
+        assert {r.path for r in provider.requests} == {_PATHS[api]}
+    assert (done.final_output, again.final_output, again.replayed) == ("finished",) * 2 + (True,)
+    assert (looked, refunded) == ([42], [42])
+
+
+async def test_a_prompt_changed_at_m2_after_the_approval_is_still_a_divergence(
+    tmp_path: Path, clients: list[openai.AsyncOpenAI]
+) -> None:
+    """The same run, resumed after the approval with instructions that differ from m2 on
+    (m1's are as recorded): ReplayDivergence names m2, and nothing runs or is paid."""
+    looked: list[int] = []
+    refunded: list[int] = []
+    tools, script = _lookup_then_refund(looked, refunded)
+    prompts = iter(["You refund.", "You refund.", "You refund.", "You refund generously."])
+
+    async def instructions(ctx: Any, agent: Any) -> str:
+        return next(prompts)
+
+    with FakeProvider(script) as provider:
+        model = _model(provider, clients)
+        agent = Agent(name="refunds", instructions=instructions, model=model, tools=tools)
+        store = SqliteCheckpointer(tmp_path / "runs.db")
+        try:
+            assert (await durable_run(agent, TASK, run_id=RUN, store=store)).awaiting == "m2.t1"
+            await asiento.approve(store, RUN, "m2.t1", by="ana")
+            with pytest.raises(ReplayDivergence, match="'m2'"):
+                await durable_run(agent, TASK, run_id=RUN, store=store)
+        finally:
+            await store.close()
+        assert provider.billed() == 2
+    assert (looked, refunded) == ([42], [])
+
+
+def test_a_recorded_answer_reads_back_as_the_objects_the_sdk_built() -> None:
+    """dump_response/load_response keep which fields of an item were set, under their wire
+    names: the replayed answer gives the SDK the very input items the live one gave."""
+    from agents.items import ModelResponse as SdkResponse
+    from agents.usage import Usage as SdkUsage
+    from openai.types.responses import ResponseFunctionToolCall, ResponseOutputMessage
+
+    from asiento.integrations import _oa_wire as wire
+
+    called = ResponseFunctionToolCall.model_validate(
+        {"type": "function_call", "call_id": "c1", "name": "lookup", "arguments": "{}",
+         "async": True, "provider_data": {"model": "m"}}
+    )  # fmt: skip
+    said = ResponseOutputMessage.model_validate(
+        {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "hi", "annotations": []}]}
+    )  # fmt: skip
+    live = SdkResponse(output=[said, called], usage=SdkUsage(), response_id="r1")
+    replayed = wire.load_response(json.loads(json.dumps(wire.dump_response(live))))
+    assert replayed.to_input_items() == live.to_input_items()
+    set_fields = [[i.model_fields_set for i in r.output] for r in (replayed, live)]
+    assert set_fields[0] == set_fields[1]
+    assert replayed.output[1].async_ is True
+    assert "caller" not in replayed.to_input_items()[1]

@@ -59,9 +59,19 @@ def _default(value: Any) -> Any:
 
 
 def dump_response(response: SdkResponse) -> dict[str, Any]:
-    """The SDK's response as JSON, with its own models' serialisation."""
+    """The SDK's response as JSON, with its own models' serialisation.
+
+    An output item keeps only the fields that were set on it, under their wire names
+    (``async``, not ``async_``): loaded back, it is the very object the SDK built, unset
+    fields unset. The SDK turns an answer into the next request's input with
+    ``model_dump(exclude_unset=True)``, so an item read back with every field set (an
+    explicit ``caller: None``, ``namespace: None``...) would make the replayed pass send
+    another conversation than the recorded one, and the next step diverge.
+    """
     return {
-        "output": _ITEMS.dump_python(list(response.output), mode="json"),
+        "output": _ITEMS.dump_python(
+            list(response.output), mode="json", by_alias=True, exclude_unset=True
+        ),
         "usage": _USAGE.dump_python(response.usage, mode="json"),
         "response_id": response.response_id,
         "request_id": response.request_id,
