@@ -96,3 +96,23 @@ def test_telemetry_bench_measures_off_on_and_before(tmp_path: Path) -> None:
     assert int(on["commits/run"]) == int(off["commits/run"]) + 1 == int(before["commits/run"]) + 1
     for row in (off, on, before):
         assert float(row["ms/step_process"]) > 0, done.stdout
+
+
+def test_langgraph_kills_bench_prints_both_tables(tmp_path: Path) -> None:
+    """`bench/langgraph_kills.py --quick` with one kill a side runs to its end and prints the
+    side-by-side counts and the overhead table (its figures are not checked)."""
+    bench = BENCH.parent / "langgraph_kills.py"
+    options = ["--quick", "--kills", "1", "--reps", "1", "--steps", "5", "--dir", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, str(bench), *options],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for heading in ("random SIGKILLs", "duplicated refunds", "re-paid generations", "ms/step over"):
+        assert heading in done.stdout, done.stdout
+    overhead = done.stdout.split("ms/step over", 1)[1].splitlines()
+    row = next(line.split() for line in overhead if line.startswith("asiento "))
+    assert float(row[3]) > 0, done.stdout  # ms/step
