@@ -102,6 +102,7 @@ class GraphPass(HeldCommits):
         super().__init__(run_id, store, lease, journal)
         self.idempotent, self.graph_digest, self.stats = idempotent, graph_digest, stats
         self.policy = policy
+        self.digests: dict[Any, Any] = {}  # request_fingerprint's, for this pass
         self.turns = 0
         self.calls: dict[str, str] = {}  # a tool call's id -> its step id
         self.direct: dict[str, int] = {}  # a model step -> tool steps numbered after its calls
@@ -150,7 +151,7 @@ class GraphPass(HeldCommits):
     ) -> tuple[list[ChatGeneration], dict[str, Any] | None]:
         self.turns += 1
         step_id = step_ids.model(self.turns)
-        fp = request_fingerprint(model, prompt, stop, asked.kwargs)[:32]
+        fp = request_fingerprint(model, prompt, stop, asked.kwargs, self.digests)[:32]
         recorded = self.journal.get(step_id, {}).get(Phase.RESULT)
         if recorded is not None:
             generations = self._replayed(step_id, fp, recorded, asked.node)
@@ -383,15 +384,52 @@ def request_fingerprint(
     prompt: Sequence[BaseMessage],
     stop: list[str] | None,
     kwargs: Mapping[str, Any],
+    digests: dict[Any, Any] | None = None,
 ) -> str:
-    """What the step asks the model, hashed: the messages (without the ids LangGraph gives
-    them), the model's invocation parameters (model name, settings, bound tools), stop."""
-    params = model._get_invocation_params(stop=stop, **dict(kwargs))
+    """What the step asks the model, hashed: each message (without the id LangGraph gives
+    it), the model's invocation parameters (model name, settings, bound tools), stop.
+
+    ``digests`` keeps for the pass each message's digest (by the message object, which
+    LangGraph's state hands on unchanged from step to step) and the parameters' (by the
+    model and its bound arguments, the same objects at each call of a bound model), so a
+    step hashes only what is new, not the whole conversation and every tool again.
+    """
     asked = {
-        "messages": [_without_ids(dumpd(m)) for m in prompt],
-        "params": {k: v for k, v in params.items() if k not in _TRANSPORT},
+        "messages": [_message_digest(m, digests) for m in prompt],
+        "params": _params_digest(model, stop, kwargs, digests),
     }
-    return fingerprint(_jsonable(asked))
+    return fingerprint(asked)
+
+
+def _params_digest(
+    model: BaseChatModel,
+    stop: list[str] | None,
+    kwargs: Mapping[str, Any],
+    digests: dict[Any, Any] | None,
+) -> str:
+    held = (model, tuple(stop or ()), tuple(kwargs.items()))
+    key = ("params", id(model), held[1], tuple((k, id(v)) for k, v in kwargs.items()))
+    known = None if digests is None else digests.get(key)
+    if known is not None and known[0][0] is model:
+        return str(known[1])
+    params = model._get_invocation_params(stop=stop, **dict(kwargs))
+    kept = {k: v for k, v in params.items() if k not in _TRANSPORT}
+    digest = fingerprint(_jsonable(kept))
+    if digests is not None:
+        digests[key] = (held, digest)  # the objects kept: their ids are not reused
+    return digest
+
+
+def _message_digest(
+    message: BaseMessage, digests: dict[int, tuple[BaseMessage, str]] | None
+) -> str:
+    known = None if digests is None else digests.get(id(message))
+    if known is not None and known[0] is message:
+        return str(known[1])
+    digest = fingerprint(_jsonable(_without_ids(dumpd(message))))
+    if digests is not None:
+        digests[id(message)] = (message, digest)  # the object kept: its id is not reused
+    return digest
 
 
 def _without_ids(dumped: Any) -> Any:

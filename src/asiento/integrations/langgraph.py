@@ -188,7 +188,7 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
             config = cast("RunnableConfig", {**options.config, "configurable": configurable})
             with run.active():
                 try:
-                    state = await own.ainvoke(input, config)
+                    state = await own.ainvoke(input, config, durability="exit")
                     for _ in range(_MAX_INTERRUPTS):
                         interrupts = (
                             state.get("__interrupt__") if isinstance(state, Mapping) else None
@@ -204,7 +204,7 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
                                 stats=session.stats,
                                 awaiting=(step_id,),
                             )
-                        state = await own.ainvoke(Command(resume=answer), config)
+                        state = await own.ainvoke(Command(resume=answer), config, durability="exit")
                 except Suspended as stop:  # a tool call waits for a person's approval
                     await run.settle()
                     return DurableResult(
