@@ -15,9 +15,10 @@ from pydantic_core import to_jsonable_python
 
 from .. import step_ids
 from .._canonical import canonical_json
+from ..errors import AsientoError, RunAbandoned
 from ..events import ApprovalStep, FinalStep, Phase, Step
 from ..model import ToolCall
-from ..payloads import Intent
+from ..payloads import Final, Intent
 from ..session import Session
 
 
@@ -52,3 +53,16 @@ def shown(output: Any) -> str:
     if output is None:
         return ""
     return output if isinstance(output, str) else canonical_json(to_jsonable_python(output))
+
+
+async def abandonment(session: Session) -> RunAbandoned | None:
+    """The error for a lease lost to a person who abandoned the run, if that is what
+    happened (abandoning takes the run's fence)."""
+    try:
+        final = await session.store.final(session.run_id)
+    except AsientoError:
+        return None
+    closed = None if final is None else Final.from_json(final.payload)
+    if closed is None or not closed.abandoned:
+        return None
+    return RunAbandoned(session.run_id, closed.text or "abandoned")

@@ -38,7 +38,7 @@ from langgraph.types import Command
 
 from .. import step_ids
 from .._canonical import fingerprint
-from ..errors import AsientoError, LeaseLost, RunAbandoned, UsageError
+from ..errors import LeaseLost, UsageError
 from ..events import Lease, Phase, RunStatus, Step, StepEvent
 from ..journal.base import Checkpointer
 from ..model import ModelRequest, ModelResponse
@@ -48,7 +48,7 @@ from ..replay import index
 from ..session import RunStats, Session
 from . import _langgraph_pass
 from ._langgraph_pass import GraphPass, Suspended, revive
-from ._worker import pass_end
+from ._worker import abandonment, pass_end
 
 __all__ = ["DurableResult", "WorkerAgent", "durable_run"]
 
@@ -224,7 +224,7 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
                 run.event(step_ids.FINAL, Phase.RESULT, closing), status=RunStatus.CLOSED
             )
     except LeaseLost as exc:
-        abandoned = await _abandonment(session)
+        abandoned = await abandonment(session)
         if abandoned is None:
             raise
         raise abandoned from exc
@@ -238,17 +238,6 @@ def _closed(run_id: str, session: Session, final: StepEvent) -> DurableResult:
     return DurableResult(
         run_id=run_id, output=output, replayed=True, stats=session.stats, abandoned=closed.abandoned
     )
-
-
-async def _abandonment(session: Session) -> RunAbandoned | None:
-    try:
-        final = await session.store.final(session.run_id)
-    except AsientoError:
-        return None
-    closed = None if final is None else Final.from_json(final.payload)
-    if closed is None or not closed.abandoned:
-        return None
-    return RunAbandoned(session.run_id, closed.text or "abandoned")
 
 
 class WorkerAgent:

@@ -43,7 +43,6 @@ from ..effects.base import key_margin_of
 from ..errors import (
     AsientoError,
     LeaseLost,
-    RunAbandoned,
     UsageError,
 )
 from ..events import Lease, Step, StepEvent
@@ -59,7 +58,7 @@ from ._pydantic_ai_records import (
     load_messages,
 )
 from ._pydantic_ai_replay import replayed_scope, uninstrumented
-from ._worker import pass_end, shown
+from ._worker import abandonment, pass_end, shown
 
 __all__ = ["DurableResult", "WorkerAgent", "durable_run"]
 
@@ -195,7 +194,7 @@ async def _drive(
             finally:
                 await run.keep_paid_answer()
     except LeaseLost as exc:
-        abandoned = await _abandonment(session)
+        abandoned = await abandonment(session)
         if abandoned is None:
             raise
         raise abandoned from exc
@@ -206,19 +205,6 @@ async def _drive(
         replayed=False,
         stats=session.stats,
     )
-
-
-async def _abandonment(session: Session) -> RunAbandoned | None:
-    """The error for a lease lost to a person who abandoned the run, if that is what
-    happened (abandoning takes the run's fence)."""
-    try:
-        final = await session.store.final(session.run_id)
-    except AsientoError:
-        return None
-    closed = None if final is None else Final.from_json(final.payload)
-    if closed is None or not closed.abandoned:
-        return None
-    return RunAbandoned(session.run_id, closed.text or "abandoned")
 
 
 class WorkerAgent:
