@@ -76,8 +76,9 @@ class Asked:
         return str(metadata.get("langgraph_node", "?"))
 
 
-class Suspended(BaseException):
-    """A tool call waits for a person's approval: the pass stops there, suspended."""
+class _Suspended(BaseException):
+    """A tool call waits for a person's approval: the pass stops there (a BaseException:
+    no graph code, ToolNode's error handling included, catches it)."""
 
     def __init__(self, step_id: str) -> None:
         super().__init__(step_id)
@@ -265,7 +266,7 @@ class GraphPass(HeldCommits):
             ):  # a person decided after this pass read the journal: read it again
                 self.journal = index(await self.store.load(self.run_id))
                 return await self._tool_step(step_id, tool, tool_input, tool_call_id, run)
-            raise Suspended(step_id)
+            raise _Suspended(step_id)
         if action is Action.FEED_DENIAL:  # a person denied it: recorded, and the model told
             denial = Approval.from_json(state.records[Phase.APPROVAL].payload).as_outcome()
             await self.append(self.event(step_id, Phase.RESULT, denial.to_json(), Decision.DENIED))
@@ -300,7 +301,7 @@ class GraphPass(HeldCommits):
                 return _fed(denied, tool.name, tool_call_id)
             if decision is Decision.REQUIRE_APPROVAL:
                 await self.append(*new, status=RunStatus.SUSPENDED)
-                raise Suspended(step_id)
+                raise _Suspended(step_id)
         new.append(self.event(attempt_id, Phase.SUBMITTED, {}))
         await self.append(*new)
         crash_point("after_submitted")
@@ -328,6 +329,18 @@ class GraphPass(HeldCommits):
         if self.policy is None:
             return None
         return await ask_policy(self.policy, ToolCall(name=name, arguments=dict(args)))
+
+    async def invoke(self, graph: Any, value: Any, config: Any) -> tuple[Any, str | None]:
+        """The graph's state after ``value`` (its input, or a ``Command`` resuming it), or
+        the step where a tool call waits for a person's approval (the state then None).
+
+        The graph keeps its own checkpoint only for an ``interrupt()`` to resume from,
+        within this pass: ``durability="exit"``, never one a super-step."""
+        try:
+            return await graph.ainvoke(value, config, durability="exit"), None
+        except _Suspended as stop:
+            await self.settle()
+            return None, stop.step_id
 
     # -- a person: interrupt() ------------------------------------------------------------
 

@@ -47,7 +47,7 @@ from ..policy import Policy
 from ..replay import index
 from ..session import RunStats, Session
 from . import _langgraph_pass
-from ._langgraph_pass import GraphPass, Suspended, revive
+from ._langgraph_pass import GraphPass, revive
 from ._worker import abandonment, pass_end
 
 __all__ = ["DurableResult", "WorkerAgent", "durable_run"]
@@ -188,32 +188,24 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
             config = cast("RunnableConfig", {**options.config, "configurable": configurable})
             with run.active():
                 try:
-                    state = await own.ainvoke(input, config, durability="exit")
+                    state, waiting = await run.invoke(own, input, config)
                     for _ in range(_MAX_INTERRUPTS):
                         interrupts = (
                             state.get("__interrupt__") if isinstance(state, Mapping) else None
                         )
-                        if not interrupts:
+                        if waiting is not None or not interrupts:
                             break
-                        step_id, answer = await run.person(interrupts)
-                        if answer is None:  # waits for a person
-                            return DurableResult(
-                                run_id=run_id,
-                                output=None,
-                                replayed=False,
-                                stats=session.stats,
-                                awaiting=(step_id,),
-                            )
-                        state = await own.ainvoke(Command(resume=answer), config, durability="exit")
-                except Suspended as stop:  # a tool call waits for a person's approval
-                    await run.settle()
-                    return DurableResult(
-                        run_id=run_id,
-                        output=None,
-                        replayed=False,
-                        stats=session.stats,
-                        awaiting=(stop.step_id,),
-                    )
+                        waiting, answer = await run.person(interrupts)
+                        if answer is not None:  # a person answered: the graph goes on
+                            state, waiting = await run.invoke(own, Command(resume=answer), config)
+                    if waiting is not None:  # a tool call or an interrupt waits for a person
+                        return DurableResult(
+                            run_id=run_id,
+                            output=None,
+                            replayed=False,
+                            stats=session.stats,
+                            awaiting=(waiting,),
+                        )
                 except BaseException:
                     await run.keep_paid_answer()
                     raise
