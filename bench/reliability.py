@@ -192,8 +192,10 @@ def controls(stores: Stores, root: Path, tier: Tier, seed: int) -> list[tuple[st
     with harness(stores, root, "sqlite", None, plant="no_dir_fsync") as h:
         found.append(("no_dir_fsync", _done(h.fsync_audit())))
     with harness(stores, root, "sqlite", None, plant="stale_status") as h:
+        # 10, not 5: with 5, one seed in a few (2685140843) never lands a decision in the
+        # window the plant leaves open, and the control is missed though the bug is there.
         races = h.decision_race(
-            5, seed=seed, kinds=("approve",), orders=("snapshot",), person_faults=False
+            10, seed=seed, kinds=("approve",), orders=("snapshot",), person_faults=False
         )
         found.append(("stale_status", _done(races)))
     with harness(stores, root, "sqlite", None, plant="unfenced_abandon") as h:
