@@ -71,12 +71,12 @@ async def _settle(db: Path, run_id: str, step_id: str) -> None:
 @pytest.mark.parametrize(
     "crashes",
     [
-        ["inside_model_call"],  # during a model call (answered, not recorded)
         ["after_tool@2"],  # between the refund's effect and its record
-        ["after_result"],  # between super-steps: the lookup recorded, the next ask not made
-        ["after_result@1", "inside_model_call@1", "after_tool@1"],  # one pass after another
+        # one pass after another: between super-steps (the lookup recorded, the next ask
+        # not made), during a model call (answered, not recorded), then after the refund
+        ["after_result@1", "inside_model_call@1", "after_tool@1"],
     ],
-    ids=["model-call", "effect-before-record", "between-super-steps", "three-kills"],
+    ids=["effect-before-record", "three-kills-in-a-row"],
 )
 def test_killed_passes_bill_each_generation_once_and_apply_each_effect_once(
     tmp_path: Path, crashes: list[str]
