@@ -61,7 +61,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from integrations.langgraph_graph import SCRIPT, TASK, build, ledger_line, lines  # noqa: E402
+from integrations.langgraph_graph import (  # noqa: E402
+    SCRIPT,
+    TASK,
+    ScriptedChat,
+    build,
+    ledger_line,
+    lines,
+)
 from providers.fake_servers import Answer, FakeProvider  # noqa: E402
 
 ANSWERS = [Answer(text, tuple(calls)) for text, calls in SCRIPT]
@@ -356,34 +363,8 @@ def _print_kills(tallies: dict[str, Tally]) -> None:
 
 def _instant_model(steps: int) -> Any:
     """A chat model that answers at once: a ``lookup`` call per turn, then a text."""
-    from langchain_core.language_models.chat_models import BaseChatModel
-    from langchain_core.messages import AIMessage, BaseMessage
-    from langchain_core.outputs import ChatGeneration, ChatResult
-    from langchain_core.utils.function_calling import convert_to_openai_tool
-
-    class Instant(BaseChatModel):
-        turns: int
-
-        @property
-        def _llm_type(self) -> str:
-            return "instant"
-
-        def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
-            return self.bind(tools=[convert_to_openai_tool(t) for t in tools], **kwargs)
-
-        def _generate(
-            self, messages: list[BaseMessage], stop: Any = None, run_manager: Any = None, **kw: Any
-        ) -> ChatResult:
-            turn = sum(isinstance(m, AIMessage) for m in messages)
-            calls = [{"name": "lookup", "args": {"order": turn}, "id": f"call-{turn}"}]
-            message = AIMessage(
-                content="" if turn < self.turns else "done",
-                tool_calls=calls if turn < self.turns else [],
-                usage_metadata={"input_tokens": 10, "output_tokens": 3, "total_tokens": 13},
-            )
-            return ChatResult(generations=[ChatGeneration(message=message)])
-
-    return Instant(turns=steps)
+    turns = [("", [("lookup", {"order": turn})]) for turn in range(steps)]
+    return ScriptedChat(script=[*turns, ("done", [])])
 
 
 async def _overhead(steps: int, reps: int, folder: Path) -> dict[str, list[float]]:

@@ -60,7 +60,10 @@ ASKED: list[int] = []  # the turn of each generation a ScriptedChat made: its in
 
 
 class ScriptedChat(BaseChatModel):
-    """A chat model answering ``SCRIPT`` by turn; each generation is noted in ``ASKED``."""
+    """A chat model answering ``script`` (``SCRIPT`` by default) by turn; each generation
+    is noted in ``ASKED``."""
+
+    script: list[tuple[str, list[tuple[str, dict[str, Any]]]]] | None = None
 
     @property
     def _llm_type(self) -> str:
@@ -74,7 +77,7 @@ class ScriptedChat(BaseChatModel):
     ) -> ChatResult:
         turn = sum(isinstance(m, AIMessage) for m in messages)
         ASKED.append(turn)
-        text, calls = SCRIPT[turn]
+        text, calls = (self.script or SCRIPT)[turn]
         message = AIMessage(
             content=text,
             tool_calls=[

@@ -61,6 +61,9 @@ _HEADERS_BY = ("langchain_openai", "langchain_anthropic")
 _TRANSPORT = frozenset({"extra_headers", "timeout", "request_timeout", "max_retries", "stream"})
 
 
+_TRACING = ("tags", "metadata", "run_name", "run_id")  # who traces a call, not what it asks
+
+
 @dataclass(frozen=True, slots=True)
 class Asked:
     """How a node asked a chat model, beside the messages: LangChain's callbacks and
@@ -69,6 +72,12 @@ class Asked:
     callbacks: Any
     traced: dict[str, Any]
     kwargs: dict[str, Any]
+
+    @classmethod
+    def split(cls, callbacks: Any, kwargs: dict[str, Any]) -> Asked:
+        """``agenerate``'s keywords parted: who traces the call, and what it asks."""
+        traced = {k: kwargs[k] for k in _TRACING if k in kwargs}
+        return cls(callbacks, traced, {k: v for k, v in kwargs.items() if k not in traced})
 
     @property
     def node(self) -> str:
@@ -573,9 +582,6 @@ _STREAMS = (
 )
 
 
-_TRACING = ("tags", "metadata", "run_name", "run_id")  # who traces a call, not what it asks
-
-
 async def _agenerate(
     self: BaseChatModel,
     messages: list[list[BaseMessage]],
@@ -586,8 +592,7 @@ async def _agenerate(
     run = _ACTIVE.get()
     if run is None:
         return await _ORIGINAL_AGENERATE(self, messages, stop, callbacks, **kwargs)
-    traced = {k: kwargs.pop(k) for k in _TRACING if k in kwargs}
-    return await run.generate(self, messages, stop, Asked(callbacks, traced, kwargs))
+    return await run.generate(self, messages, stop, Asked.split(callbacks, kwargs))
 
 
 def _generate(
@@ -600,8 +605,7 @@ def _generate(
     run = _ACTIVE.get()
     if run is None:
         return _ORIGINAL_GENERATE(self, messages, stop, callbacks, **kwargs)
-    traced = {k: kwargs.pop(k) for k in _TRACING if k in kwargs}
-    asked = run.generate(self, messages, stop, Asked(callbacks, traced, kwargs))
+    asked = run.generate(self, messages, stop, Asked.split(callbacks, kwargs))
     return cast("LLMResult", run.call_soon(asked))
 
 
