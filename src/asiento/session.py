@@ -139,29 +139,14 @@ class Session:
             await self._release(lease, before, clean=clean)
 
     async def _note_failure(self, lease: Lease, exc: Exception) -> None:
-        """Record why the pass failed while its lease still holds the run.
-
-        After the release a neighbour's claim may park the run for its attempts; a
-        note written then would set it running again, past ``max_attempts``.
-        """
-        reason = f"{type(exc).__name__}: {exc}"[:1000]
-        try:
-            await self.store.set_status(self.run_id, RunStatus.RUNNING, reason=reason, lease=lease)
-        except RunClosed:
+        if not await note_failure(self.store, lease, exc):
             self.found_closed = True
-        except Exception as noted:  # never hide the error that ended the body
-            log.warning("run %r: could not note why its pass failed: %s", self.run_id, noted)
 
     async def give_back(self, exc: Exception) -> None:
         """The pass failed before it drove the run: note why under the claim, release it."""
         lease, self._claimed = self._claimed, None
-        if lease is None:
-            return
-        try:
-            await self._note_failure(lease, exc)
-        finally:
-            lease_state.ended(lease.owner)
-            await self._release(lease, self.stats.savings(), clean=False)
+        if lease is not None and not await give_back(self.store, lease, exc):
+            self.found_closed = True
 
     async def settle_closed(self) -> None:
         """The run turned out closed: give back a lease a worker claimed for it.
@@ -226,3 +211,34 @@ class Session:
             await self.store.release(lease, savings=pass_savings, clean=clean)
         except AsientoError as exc:  # never hide the error that ended the body
             log.warning("run %r: could not release the lease: %s", self.run_id, exc)
+
+
+async def note_failure(store: Checkpointer, lease: Lease, exc: Exception) -> bool:
+    """Record why a pass failed while its lease still holds the run; False if it was closed.
+
+    After the release a neighbour's claim may park the run for its attempts; a note
+    written then would set it running again, past ``max_attempts``.
+    """
+    reason = f"{type(exc).__name__}: {exc}"[:1000]
+    try:
+        await store.set_status(lease.run_id, RunStatus.RUNNING, reason=reason, lease=lease)
+    except RunClosed:
+        return False
+    except Exception as noted:  # never hide the error that ended the body
+        log.warning("run %r: could not note why its pass failed: %s", lease.run_id, noted)
+    return True
+
+
+async def give_back(store: Checkpointer, lease: Lease, exc: Exception) -> bool:
+    """A claim no pass drove: note why and release it at once, not at its lapse.
+
+    False if the run turned out closed (abandoned meanwhile).
+    """
+    try:
+        return await note_failure(store, lease, exc)
+    finally:
+        lease_state.ended(lease.owner)
+        try:
+            await store.release(lease, clean=False)
+        except AsientoError as released:
+            log.warning("run %r: could not release the lease: %s", lease.run_id, released)

@@ -30,7 +30,7 @@ from .events import ApprovalStep, Claim, FinalStep, RunStatus, Step
 from .journal.base import Checkpointer
 from .lease import Holder
 from .model import Gateway
-from .session import Session
+from .session import Session, give_back
 from .telemetry import metrics, tracing
 from .tools import check_timeout, tool_threads_at_least
 
@@ -322,14 +322,18 @@ class Worker:
             metrics.parked("no_agent")
             await self.store.release(claim.lease)
             return
-        session = Session(
-            run_id,
-            self.app.gateway_for(),
-            self.store,
-            lease_ttl=self.app.lease_ttl,
-            lease=claim.lease,
-            tool_timeout=self.app.tool_timeout,
-        )
+        try:
+            session = Session(
+                run_id,
+                self.app.gateway_for(),
+                self.store,
+                lease_ttl=self.app.lease_ttl,
+                lease=claim.lease,
+                tool_timeout=self.app.tool_timeout,
+            )
+        except Exception as exc:  # a gateway factory that raised, a gateway Session refused
+            self._failed(run_id, exc, closed=not await give_back(self.store, claim.lease, exc))
+            return
         try:
             self._count(await self._pass(agent, claim.task, session))
         except shutdown.ShutdownRequested:
@@ -343,7 +347,7 @@ class Worker:
             self._count(RunStatus.UNCERTAIN)
         except Exception as exc:
             await session.give_back(exc)  # a claim the pass never drove is noted and released
-            self._failed(run_id, exc, session)
+            self._failed(run_id, exc, closed=session.found_closed)
 
     async def _pass(self, agent: Agent | Drivable, task: str, session: Session) -> RunStatus:
         """How the pass left the run: closed, suspended, or still running (it stopped)."""
@@ -355,9 +359,9 @@ class Worker:
                 status = RunStatus.SUSPENDED
         return status
 
-    def _failed(self, run_id: str, exc: Exception, session: Session) -> None:
-        """The session noted why, under its lease; the run is parked if it keeps failing."""
-        if session.found_closed:  # abandoned meanwhile: a closed run stays closed
+    def _failed(self, run_id: str, exc: Exception, *, closed: bool) -> None:
+        """Why was noted under the lease; the run is parked if it keeps failing."""
+        if closed:  # abandoned meanwhile: a closed run stays closed
             self._count(RunStatus.CLOSED)
             return
         log.warning("run %r failed in this worker: %s", run_id, exc)

@@ -212,3 +212,24 @@ async def test_run_for_an_agent_the_app_lacks_is_parked_at_once(sqlite_path: Pat
     assert (run.status, run.fence, run.lease_owner) == (RunStatus.PARKED, 1, None)
     assert run.reason == "no agent named 'billing' in this worker's app"
     await store.close()
+
+
+def _gateway_factory_that_fails() -> ScriptedGateway:
+    raise RuntimeError("no credentials for the provider")
+
+
+async def test_claim_whose_session_cannot_be_built_is_given_back(sqlite_path: Path) -> None:
+    """A gateway factory that raises (or a gateway Session refuses) fails the claim's pass:
+    the failure is noted and the claim released at once, not left to lapse (it was, and
+    the run was never parked: each lapse restarted nothing and counted nothing)."""
+    store = SqliteCheckpointer(sqlite_path)
+    app = App(agents={"default": Agent()}, gateway=_gateway_factory_that_fails, max_attempts=2)
+    await submit(store, "r1", "task")
+    worker = Worker(store, app, poll=0.01)
+    assert [await worker.run_once() for _ in range(3)] == [True, True, False]
+    [run] = await store.runs()
+    assert (run.status, run.fence, run.lease_owner) == (RunStatus.PARKED, 2, None)
+    assert run.reason is not None
+    assert run.reason.endswith("last failure: RuntimeError: no credentials for the provider")
+    assert (worker.stats.claimed, worker.stats.failed) == (2, 2)
+    await store.close()
