@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -10,11 +11,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from asiento import (
     Agent,
+    Holder,
     ModelResponse,
     RunLocked,
     Session,
@@ -22,6 +25,7 @@ from asiento import (
     ToolCall,
     tool,
 )
+from asiento.lease import process_start
 from asiento.testing import ScriptedGateway
 
 CHILD = Path(__file__).with_name("child.py")
@@ -151,3 +155,24 @@ async def _phases(tmp_path: Path) -> list[tuple[str, str]]:
         return [(e.step_id, e.phase.value) for e in await store.load("run-1")]
     finally:
         await store.close()
+
+
+def _holder_facts(out: Any) -> None:
+    holder = Holder.here()
+    out.put((os.getpid(), holder.pid, holder.host, holder.started, process_start(os.getpid())))
+
+
+def test_a_forked_child_holds_as_itself_not_as_its_parent() -> None:
+    """The process's identity is read once per process: a child forked after the parent
+    read its own names the child's pid and start time, never the parent's."""
+    parent = Holder.here()
+    assert parent.started == process_start(os.getpid()) != ""
+    forked = multiprocessing.get_context("fork")
+    out = forked.Queue()
+    child = forked.Process(target=_holder_facts, args=(out,))
+    child.start()
+    pid, holder_pid, host, started, fresh = out.get(timeout=30)
+    child.join(timeout=30)
+    assert pid == holder_pid == child.pid != parent.pid
+    assert (host, started) == (parent.host, fresh)
+    assert started != ""
