@@ -206,6 +206,7 @@ class _Pass:
         self.chain = FingerprintChain(agent.head)
         self.messages: list[Message] = []
         self.journal: dict[str, dict[Phase, StepEvent]] = {}
+        self.cuts: dict[str, list[str]] = {}  # streamed attempts in the journal, by model step
         self.pending: list[StepEvent] = []
         self.waiting: list[Step] = []  # steps whose records are in ``pending``
         self.out: list[Step] = []  # steps whose records are durable
@@ -304,6 +305,7 @@ class _Pass:
         """Replay what the journal holds, then do what is missing, step by step."""
         events = await self.store.load(self.run_id)
         self.journal = index(events)
+        self.cuts = step_ids.streamed_by_step(self.journal)  # once a walk, not once a step
         self.spent = budgets.Spent()
         final = self.journal.get(step_ids.FINAL, {}).get(Phase.RESULT)
         if final is not None:  # closed by the session we waited for
@@ -502,7 +504,7 @@ class _Pass:
     def _cut_attempts(self, step_id: str) -> list[str]:
         """Earlier passes' streamed attempts of ``step_id``: each a generation paid and cut."""
         mine = step_ids.streamed(step_id, self.lease.token if self.lease is not None else 0)
-        return [a for a in step_ids.streamed_attempts(step_id, self.journal) if a != mine]
+        return [a for a in self.cuts.get(step_id, ()) if a != mine]
 
     async def _check_budget(self, step_id: str) -> budgets.Budget | None:
         """Before a new (paid) call: stop, suspended and resumable, if the budget is spent;

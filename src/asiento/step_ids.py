@@ -63,10 +63,14 @@ def streamed(model_step: str, attempt: int) -> str:
     return f"{model_step}{_ATTEMPT}{attempt}"
 
 
-def streamed_attempts(model_step: str, record_ids: Iterable[str]) -> list[str]:
-    """The ids of the streamed-attempt markers of ``model_step`` among ``record_ids``."""
-    prefix = f"{model_step}{_ATTEMPT}"
-    return [r for r in record_ids if r.startswith(prefix) and r[len(prefix) :].isdigit()]
+def streamed_by_step(record_ids: Iterable[str]) -> dict[str, list[str]]:
+    """The streamed-attempt markers among ``record_ids``, by the model step they attempted."""
+    found: dict[str, list[str]] = {}
+    for record_id in record_ids:
+        step, mark, attempt = record_id.partition(_ATTEMPT)
+        if mark and attempt.isdigit() and is_model(step):
+            found.setdefault(step, []).append(record_id)
+    return found
 
 
 def is_streamed(record_id: str) -> bool:
