@@ -43,6 +43,9 @@ from .payloads import (
 from .replay import StepState, Waits, index, step_state, waits_for
 
 SUMMARY_WIDTH = 90
+# The tool name a LangGraph ``interrupt(value)`` has in the journal: its intent's arguments
+# are ``{"value": value}`` (asiento.integrations._langgraph_pass).
+INTERRUPT = "interrupt"
 
 
 # -- one run --------------------------------------------------------------------------
@@ -85,6 +88,12 @@ class Waiting:
     @property
     def needs_person(self) -> bool:
         return self.kind in (Waits.APPROVAL, Waits.RESOLUTION)
+
+    @property
+    def is_interrupt(self) -> bool:
+        """A graph's ``interrupt(value)`` waiting for a person, not a tool call: a person
+        is shown the value it asks about (``args["value"]``)."""
+        return self.tool == INTERRUPT and set(self.args) == {"value"}
 
 
 def waiting_of(events: Sequence[StepEvent], status: RunStatus) -> list[Waiting]:

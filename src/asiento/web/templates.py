@@ -112,8 +112,14 @@ CARD = """{% macro card(w, csrf, operator) %}
   <h3>{% if w.kind == 'approval' %}Approve or deny{% else %}Uncertain effect{% endif %}:
     <a href="{{ w.run_id|runurl }}">{{ w.run_id }}</a> · <code>{{ w.step_id }}</code></h3>
   <dl>
+    {% if w.is_interrupt %}
+    <dt>asked by</dt><dd>the graph's <code>interrupt()</code>: it resumes with the decision
+      (approved or not, by whom, the reason)</dd>
+    <dt>value</dt><dd><pre class="args">{{ w.args["value"]|pretty }}</pre></dd>
+    {% else %}
     <dt>tool</dt><dd><code>{{ w.tool }}</code></dd>
     <dt>arguments</dt><dd><pre class="args">{{ w.args|pretty }}</pre></dd>
+    {% endif %}
     {% if w.prepared is not none %}<dt>prepared</dt><dd><pre>{{ w.prepared|pretty }}</pre></dd>
     {% endif %}
     {% if w.idem_key %}<dt>idem_key</dt><dd class="mono">{{ w.idem_key }}</dd>{% endif %}
