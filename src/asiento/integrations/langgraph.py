@@ -46,7 +46,7 @@ from ..payloads import Final
 from ..policy import Policy
 from ..replay import index
 from ..session import RunStats, Session
-from . import _langgraph_pass
+from . import _langgraph_pass, _langgraph_state
 from ._langgraph_pass import GraphPass, revive
 from ._worker import abandonment, pass_end
 
@@ -95,10 +95,21 @@ async def durable_run(
     unknown. ``policy`` (asiento's, e.g. ``require_approval_for("refund")``) decides
     each new tool call: allowed, denied (the model is told), or waiting for a person's
     approval (the run is suspended there; ``awaiting`` names the step). ``config`` is
-    the graph's own (``recursion_limit``, ``configurable``...); its ``thread_id`` is
-    asiento's. ``lease`` is one a worker claimed.
+    the graph's own (``recursion_limit``, ``configurable``...); a ``thread_id`` in it must
+    be ``run_id``. ``lease`` is one a worker claimed.
+
+    A graph compiled with a checkpointer gets the run's state written there, under
+    ``thread_id`` = ``run_id``, when a pass ends closed or waiting for a person, so
+    ``graph.get_state`` shows it; a pass never starts from it (the journal is the truth).
     """
     options = _Options.of(graph, idempotent, config, policy, who="durable_run")
+    thread = (options.config.get("configurable") or {}).get("thread_id", run_id)
+    if thread != run_id:
+        raise UsageError(
+            f"durable_run(config=...): thread_id {thread!r} is not the run id {run_id!r}; "
+            "a durable run's thread is its run id (the graph's checkpointer shows its state "
+            "under it): drop thread_id from config, or pass run_id=thread_id"
+        )
     session = Session(run_id, _NoGateway(), store, lease_ttl=lease_ttl, wait=wait, lease=lease)
     return await _drive(graph, input, session, options)
 
@@ -128,10 +139,31 @@ class _Options:
             raise UsageError(f"{who}(idempotent=...) takes tool names, not one string")
         if config is not None and not isinstance(config, Mapping):
             raise UsageError(f"{who}(config=...) takes a mapping (RunnableConfig)")
+        _check_configurable(dict(config or {}).get("configurable"), who)
         if policy is not None and not callable(policy):
             raise UsageError(f"{who}(policy=...) takes a policy (a callable of a ToolCall)")
         digest = _graph_digest(graph, who)
+        _langgraph_state.check(graph, who)
         return cls(frozenset(idempotent), dict(config or {}), digest, policy)
+
+
+def _check_configurable(configurable: Any, who: str) -> None:
+    """A checkpoint to start from is refused (a pass starts from the journal), and so is a
+    worker's thread_id (each of its runs is the thread of its run id)."""
+    if configurable is None:
+        return
+    if not isinstance(configurable, Mapping):
+        raise UsageError(f"{who}(config=...): 'configurable' takes a mapping")
+    if "checkpoint_id" in configurable:
+        raise UsageError(
+            f"{who}(config=...): checkpoint_id is refused: a durable run never starts from a "
+            "checkpoint, it replays its journal; drop checkpoint_id"
+        )
+    if who == "WorkerAgent" and "thread_id" in configurable:
+        raise UsageError(
+            "WorkerAgent(config=...): thread_id is refused: each run a worker drives is the "
+            "thread of its own run id; drop thread_id"
+        )
 
 
 def _graph_digest(graph: Graph, who: str) -> str:
@@ -182,7 +214,8 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
                 stats=session.stats,
                 policy=options.policy,
             )
-            own = graph.copy(update={"checkpointer": InMemorySaver()})
+            memory = InMemorySaver()
+            own = graph.copy(update={"checkpointer": memory})
             configurable = dict(options.config.get("configurable") or {})
             configurable["thread_id"] = f"asiento:{run_id}"
             config = cast("RunnableConfig", {**options.config, "configurable": configurable})
@@ -199,6 +232,7 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
                         if answer is not None:  # a person answered: the graph goes on
                             state, waiting = await run.invoke(own, Command(resume=answer), config)
                     if waiting is not None:  # a tool call or an interrupt waits for a person
+                        await _show_state(graph, memory, run_id, ended="suspended")
                         return DurableResult(
                             run_id=run_id,
                             output=None,
@@ -215,12 +249,20 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
             await run.append(
                 run.event(step_ids.FINAL, Phase.RESULT, closing), status=RunStatus.CLOSED
             )
+            await _show_state(graph, memory, run_id, ended="closed")
     except LeaseLost as exc:
         abandoned = await abandonment(session)
         if abandoned is None:
             raise
         raise abandoned from exc
     return DurableResult(run_id=run_id, output=state, replayed=False, stats=session.stats)
+
+
+async def _show_state(graph: Graph, memory: InMemorySaver, run_id: str, *, ended: str) -> None:
+    """The pass's last checkpoint, written to the graph's own checkpointer if it has one."""
+    target = _langgraph_state.saver_of(graph)
+    if target is not None:
+        await _langgraph_state.publish(memory, f"asiento:{run_id}", target, run_id, ended=ended)
 
 
 def _closed(run_id: str, session: Session, final: StepEvent) -> DurableResult:
