@@ -14,8 +14,11 @@ there. Each model request carries asiento's ``Idempotency-Key`` (``ChatOpenAI``,
 it kept. A changed graph (nodes, edges, a node's prompt, tools) is ``ReplayDivergence``.
 
 How: the graph is run from its start at every pass, on a checkpointer of its own (in
-memory, one per pass); the journal, not a checkpointer, is what happened. What a node
-does outside its model and tool calls runs again at each pass: keep effects in tools.
+memory, one per pass); the journal, not a checkpointer, is what happened. A graph
+compiled with a checkpointer gets each ended pass's last checkpoint written there under
+``thread_id`` = the run id, for ``get_state`` (``_langgraph_state``), never read back.
+What a node does outside its model and tool calls runs again at each pass: keep effects
+in tools.
 A node's ``interrupt(value)`` is an asiento approval: the run is suspended, a person
 approves or denies it (``asiento approve`` / ``deny``, the web page: bound to the value
 shown), and the graph is resumed with ``{"approved": bool, "by": ..., "reason": ...}``.
