@@ -19,7 +19,7 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 from langgraph.graph import START, StateGraph
 
-from asiento import SqliteCheckpointer, UsageError, approve
+from asiento import SqliteCheckpointer, UsageError, approve, require_approval_for
 from asiento.integrations.langgraph import DurableResult, WorkerAgent, durable_run
 
 from .langgraph_graph import ASKED, TASK, ScriptedChat, build, lines, make_tools
@@ -133,6 +133,23 @@ async def test_get_state_shows_the_interrupt_while_a_person_decides_then_the_fin
     assert final.values == done.output
     assert (final.next, final.tasks) == ((), ())
     assert [h.metadata["asiento"]["ended"] for h in history] == ["closed", "suspended"]
+
+
+async def test_a_tool_the_policy_holds_shows_in_get_state_as_the_node_to_run(
+    tmp_path: Path,
+) -> None:
+    """Suspended on a tool call the policy holds: ``get_state`` shows the state the journal
+    holds at that step, the ToolNode next and the model's refund call last."""
+    ledger = tmp_path / "ledger"
+    async with _saver(tmp_path / "graph.db", "sync") as saver:
+        graph = build(ScriptedChat(), make_tools(ledger)).builder.compile(checkpointer=saver)
+        waiting = await _run(graph, tmp_path / "j.db", policy=require_approval_for("refund"))
+        state = graph.get_state(THREAD)
+    assert waiting.awaiting == ("m2.t1",)
+    assert lines(ledger) == ["lookup 42"]
+    assert state.next == ("tools",)
+    assert [c["name"] for c in state.values["messages"][-1].tool_calls] == ["refund"]
+    assert state.metadata["asiento"] == {"run_id": "r1", "ended": "suspended"}
 
 
 async def test_a_thread_or_checkpoint_other_than_the_run_is_refused(tmp_path: Path) -> None:
