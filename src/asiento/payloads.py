@@ -149,6 +149,11 @@ def is_model_result(payload: Mapping[str, Any]) -> bool:
     return isinstance(payload.get("response"), Mapping)
 
 
+# The tool of the intent that freezes a LangGraph ``interrupt(value)`` for a person: its
+# arguments are ``{"value": value}`` (integrations._langgraph_pass; the views show it).
+INTERRUPT = "interrupt"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Intent:
     """A tool call, frozen before anything runs; an effect's also holds its prepared payload."""

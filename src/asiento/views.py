@@ -27,6 +27,7 @@ from .journal._rules import in_flight
 from .journal.base import Checkpointer
 from .model import ModelResponse
 from .payloads import (
+    INTERRUPT,
     Approval,
     BudgetRaise,
     BudgetStop,
@@ -43,9 +44,6 @@ from .payloads import (
 from .replay import StepState, Waits, index, step_state, waits_for
 
 SUMMARY_WIDTH = 90
-# The tool name a LangGraph ``interrupt(value)`` has in the journal: its intent's arguments
-# are ``{"value": value}`` (asiento.integrations._langgraph_pass).
-INTERRUPT = "interrupt"
 
 
 # -- one run --------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from ..events import Decision, Lease, Phase, RunStatus
 from ..journal.base import Checkpointer
 from ..model import ModelResponse, ToolCall, Usage
 from ..outcomes import bounded
-from ..payloads import Approval, Intent, ModelResult, Outcome, Resolution
+from ..payloads import INTERRUPT, Approval, Intent, ModelResult, Outcome, Resolution
 from ..policy import Policy, ask_policy
 from ..replay import Action, Indexed, StepState, check_approval, decide, index, step_state
 from ..session import RunStats
@@ -50,7 +50,6 @@ from ._commits import HeldCommits
 log = logging.getLogger("asiento")
 
 FRAMEWORK_KEY = "langchain"
-INTERRUPT = "interrupt"  # the tool name of a graph's interrupt() in the journal
 _ACTIVE: contextvars.ContextVar[GraphPass | None] = contextvars.ContextVar(
     "asiento_langgraph_pass", default=None
 )
