@@ -9,6 +9,8 @@ import functools
 import json
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -226,6 +228,48 @@ async def test_the_proxy_joins_the_runs_trace_and_carries_it_upstream(
         assert dict(replayed.attributes or {})["asiento.proxy.answer"] == "replayed"
         assert _parent_ids(replayed) == _ids(served[0])  # the context it was sent
         assert len(_model_requests(provider, "/v1/chat/completions")) == 2
+
+
+def _let_go(provider: FakeProvider, go_on: threading.Event) -> None:
+    """Let the held stream go on half a second after its generation began."""
+    for _ in range(200):  # at most 10 s
+        if provider.generations:
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)
+    go_on.set()
+
+
+async def test_the_proxys_span_of_a_stream_ends_with_the_stream(
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+    proxy_spans: InMemorySpanExporter,
+    tmp_path: Path,
+) -> None:
+    """A streamed answer the proxy records is one SERVER span from the request to the
+    stream's last chunk (it ended when the stream started: a few milliseconds for a
+    stream upstream held for half a second after its first event), inside the run's
+    ``chat`` span."""
+    tracer_provider, exporter = spans
+    with (
+        FakeProvider(SCRIPT) as provider,
+        AsgiServer(create_app(provider.openai_url, db=tmp_path / "keys.db")) as proxy,
+    ):
+        go_on = provider.hold_stream(after=0)
+        threading.Thread(target=_let_go, args=(provider, go_on), daemon=True).start()
+        async with OpenAIGateway("gpt-test", base_url=proxy.url + "/v1", api_key="k") as gateway:
+            telemetry = Telemetry(tracer_provider=tracer_provider)
+            await _drive(gateway, tmp_path / "runs.db", telemetry=telemetry, stream=True)
+        chats = _chats(exporter.get_finished_spans())
+        served = sorted(proxy_spans.get_finished_spans(), key=lambda s: s.start_time or 0)
+    assert len(chats) == len(served) == 2
+    first, chat = served[0], chats[0]
+    assert dict(first.attributes or {})["asiento.proxy.answer"] == "upstream"
+    assert _parent_ids(first) == _ids(chat)
+    assert first.start_time is not None
+    assert first.end_time is not None
+    assert first.end_time - first.start_time >= 400_000_000  # ns: the held stream
+    assert chat.end_time is not None
+    assert first.end_time <= chat.end_time
 
 
 async def test_the_proxy_traces_nothing_for_a_request_without_traceparent(

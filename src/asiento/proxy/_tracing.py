@@ -15,11 +15,12 @@ set up, the incoming context is forwarded upstream as it came.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import AsyncIterable, AsyncIterator
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
+
+from starlette.responses import Response, StreamingResponse
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -47,26 +48,56 @@ def traced(request: Request) -> bool:
     return "traceparent" in request.headers and available()
 
 
-@contextlib.contextmanager
-def joined(request: Request) -> Iterator[None]:
-    """The request's SERVER span, current (and ended) around its handling."""
-    from opentelemetry import trace
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+class Joined:
+    """A request's SERVER span, current while it is handled; ended with its response."""
 
-    from .. import __version__
+    def __init__(self, request: Request) -> None:
+        from opentelemetry import context, trace
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    carrier = {name: request.headers[name] for name in TRACE_HEADERS if name in request.headers}
-    parent = TraceContextTextMapPropagator().extract(carrier)
-    path = request.url.path
-    tracer = trace.get_tracer("asiento.proxy", __version__)
-    attributes = {"http.request.method": request.method, "url.path": path, "http.route": path}
-    name, kind = f"{request.method} {path}", trace.SpanKind.SERVER
-    with tracer.start_as_current_span(name, parent, kind, attributes) as span:
-        token = _SPAN.set(span)
+        from .. import __version__
+
+        carrier = {n: request.headers[n] for n in TRACE_HEADERS if n in request.headers}
+        parent = TraceContextTextMapPropagator().extract(carrier)
+        path = request.url.path
+        tracer = trace.get_tracer("asiento.proxy", __version__)
+        attributes = {"http.request.method": request.method, "url.path": path, "http.route": path}
+        kind = trace.SpanKind.SERVER
+        self.span = tracer.start_span(f"{request.method} {path}", parent, kind, attributes)
+        self._token = _SPAN.set(self.span)
+        self._attached = context.attach(trace.set_span_in_context(self.span))
+
+    def failed(self, exc: BaseException) -> None:
+        """The handling raised: the span says so and ends."""
+        from opentelemetry.trace import Status, StatusCode
+
+        self.span.record_exception(exc)
+        self.span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        self._leave()
+        self.span.end()
+
+    def ends_with(self, response: Response) -> Response:
+        """``response``, the span ended once its body is sent: a stream's last chunk, not
+        its first, ends it (what a recorded stream replays, or upstream trickles)."""
+        self._leave()
+        if not isinstance(response, StreamingResponse):
+            self.span.end()
+            return response
+        response.body_iterator = self._then_end(response.body_iterator)
+        return response
+
+    async def _then_end(self, body: AsyncIterable[Any]) -> AsyncIterator[Any]:
         try:
-            yield
+            async for chunk in body:
+                yield chunk
         finally:
-            _SPAN.reset(token)
+            self.span.end()
+
+    def _leave(self) -> None:
+        from opentelemetry import context
+
+        context.detach(self._attached)
+        _SPAN.reset(self._token)
 
 
 def answered(status: int) -> None:

@@ -314,10 +314,14 @@ class IdempotencyProxy:
         """Answer one request; one with a ``traceparent`` in a span of its trace (``_tracing``)."""
         if not _tracing.traced(request):
             return await self._handle(request)
-        with _tracing.joined(request):
+        joined = _tracing.Joined(request)
+        try:
             response = await self._handle(request)
-            _tracing.answered(response.status_code)
-            return response
+        except BaseException as exc:
+            joined.failed(exc)
+            raise
+        _tracing.answered(response.status_code)
+        return joined.ends_with(response)
 
     async def _handle(self, request: Request) -> Response:
         path = request.url.path
