@@ -20,7 +20,7 @@ from pydantic_ai import DeferredToolRequests, DeferredToolResults, ToolDenied
 from pydantic_ai.exceptions import ApprovalRequired, CallDeferred, ModelRetry
 from pydantic_ai.messages import ModelMessage
 from pydantic_ai.messages import ModelResponse as FrameworkResponse
-from pydantic_ai.models import ModelRequestParameters
+from pydantic_ai.models import Model, ModelRequestParameters
 from pydantic_ai.settings import ModelSettings
 from pydantic_ai.toolsets import ToolsetTool
 from pydantic_core import ValidationError, to_jsonable_python
@@ -40,6 +40,7 @@ from ..events import Decision, Lease, Phase, RunStatus, StepEvent
 from ..payloads import SUBMITTED, Approval, Final, Intent, ModelResult, Outcome, Resolution
 from ..replay import Action, Indexed, decide, index, step_state, tool_drift
 from ..session import Session
+from ..telemetry import tracing
 from ._commits import HeldCommits
 from ._pydantic_ai_records import (
     dump_messages,
@@ -71,8 +72,10 @@ class Pass(HeldCommits):
         journal: Indexed,
         *,
         honours: Mapping[str, float | None] | None = None,
+        trace: tracing.PassTrace | tracing.Off = tracing.OFF,
     ) -> None:
         super().__init__(session.run_id, session.store, lease, journal)
+        self.trace = trace
         self.session, self.idempotent, self.stats = session, idempotent, session.stats
         self.trusted = trusted
         self.honours = dict(honours or {})  # MCP toolset id -> its server's key TTL
@@ -99,6 +102,7 @@ class Pass(HeldCommits):
         settings: ModelSettings | None,
         parameters: ModelRequestParameters,
         ask: Callable[[ModelSettings], Awaitable[FrameworkResponse]],
+        model: Model | None = None,
     ) -> FrameworkResponse:
         self.turns += 1
         step_id = step_ids.model(self.turns)
@@ -112,20 +116,31 @@ class Pass(HeldCommits):
             await self.settle()  # an answer no tool followed (a retry of the output)
             key = model_key(self.run_id, step_id, fp)
             keyed: dict[str, Any] = dict(settings or {})
-            keyed["extra_headers"] = dict(keyed.get("extra_headers") or {}) | key_header(key)
-            response = await ask(ModelSettings(**keyed))  # type: ignore[typeddict-item]
-            crash_point("inside_model_call")
-            self.stats.model_calls += 1
-            self.stats.input_tokens += response.usage.input_tokens
-            self.stats.output_tokens += response.usage.output_tokens
-            unit(executed=True)
-            tools = tool_digests(parameters) if step_id == step_ids.model(1) else None
-            payload = model_payload(fp, response, tools)
+            headers = dict(keyed.get("extra_headers") or {}) | key_header(key)
+            trace = self._step_trace()
+            with trace.generating(
+                step_id, *_model_names(model), lambda: (dump_messages(messages), None)
+            ):
+                keyed["extra_headers"] = headers | tracing.step_traceparent()
+                response = await ask(ModelSettings(**keyed))  # type: ignore[typeddict-item]
+                crash_point("inside_model_call")
+                self.stats.model_calls += 1
+                self.stats.input_tokens += response.usage.input_tokens
+                self.stats.output_tokens += response.usage.output_tokens
+                unit(executed=True)
+                tools = tool_digests(parameters) if step_id == step_ids.model(1) else None
+                payload = model_payload(fp, response, tools)
+                trace.answered(ModelResult.from_json(payload))
             self.hold(self.event(step_id, Phase.RESULT, payload))
         for number, (call_id, args) in enumerate(tool_calls(response), 1):
             self.tool_steps[call_id] = step_ids.tool(step_id, number)
             self.tool_args[call_id] = args
         return response
+
+    def _step_trace(self) -> tracing.PassTrace | tracing.Off:
+        """The trace a step's own span goes to: none when Pydantic AI's instrumentation has
+        its span of the step open already (its ``chat`` or ``execute_tool``: the step's)."""
+        return tracing.OFF if self.trace.framework_spans() else self.trace
 
     def _replayed(
         self, step_id: str, fp: str, recorded: StepEvent, parameters: ModelRequestParameters
@@ -242,6 +257,7 @@ class Pass(HeldCommits):
             ):  # a person resolved it after this pass read the journal: read it again
                 self.journal = index(await self.store.load(self.run_id))
                 return await self._tool_step(name, call_id, run, tool)
+            self.trace.noted("asiento.effect.uncertain", state.current_id, name)
             raise UncertainEffect(self.run_id, state.current_id, name, settled)
         if action is Action.AWAIT_APPROVAL:  # never written by this integration
             raise UsageError(
@@ -264,7 +280,12 @@ class Pass(HeldCommits):
             if starting:
                 crash_point("after_intent")
             crash_point("after_submitted")
-            return await self._execute(step_id, attempt_id, name, _keyed(key, run), mcp)
+            approved = Decision.APPROVED if Phase.APPROVAL in records else Decision.ALLOW
+            return await self._execute(
+                _Running(step_id, attempt_id, name, call_id or "", approved),
+                _keyed(key, run),
+                mcp,
+            )
         finally:
             done.set()
             del self.running[step_id]
@@ -359,6 +380,7 @@ class Pass(HeldCommits):
                 )
                 new.append(event)
                 records = {Phase.INTENT: event}
+                self.trace.noted("asiento.approval.requested", step_id, call.tool_name)
             action = decide(records, idempotent=call.tool_name in self.idempotent)
             if action is Action.AWAIT_APPROVAL:
                 awaiting.append(step_id)
@@ -385,17 +407,33 @@ class Pass(HeldCommits):
         return None, tuple(awaiting)
 
     async def _execute(
-        self,
-        step_id: str,
-        attempt_id: str,
-        name: str,
-        run: Callable[[], Awaitable[Any]],
-        mcp: Any = None,
+        self, step: _Running, run: Callable[[], Awaitable[Any]], mcp: Any = None
     ) -> Any:
         unit(executed=True)  # the tool is called: its span is reported, however it ends
+        trace = self._step_trace()
+        args = self.tool_args.get(step.call_id, {})
+        attempt_id, name = step.attempt_id, step.name
+        retry: ModelRetry | None = None
+        with trace.executing(step.step_id, attempt_id, name, step.call_id, args):
+            try:
+                value = await self._call(step, run, mcp)
+            except ModelRetry as exc:  # recorded as the step's result: the model asks again
+                trace.executed(_retry(exc), step.decision)
+                retry = exc
+            else:
+                self.stats.tool_calls += 1
+                outcome = outcomes.bounded(to_jsonable_python(value))
+                trace.executed(outcome, step.decision)
+        if retry is not None:
+            raise retry
+        return await self._keep(attempt_id, value, outcome)
+
+    async def _call(self, step: _Running, run: Callable[[], Awaitable[Any]], mcp: Any) -> Any:
+        """The tool's own call, in its step; what it raises, recorded as a native step would."""
+        step_id, attempt_id, name = step.step_id, step.attempt_id, step.name
         try:
             with self._in_step(step_id, attempt_id, name):
-                value = await run()
+                return await run()
         except ModelRetry as exc:  # the tool knows it did nothing: the model is asked again
             await self._keep_retry(attempt_id, exc)
             raise
@@ -416,8 +454,6 @@ class Pass(HeldCommits):
             )
             await self.append(self.event(attempt_id, Phase.RESOLUTION, unsent.to_json()))
             raise
-        self.stats.tool_calls += 1
-        return await self._keep(attempt_id, value)
 
     @contextlib.contextmanager
     def _in_step(self, step_id: str, attempt_id: str, name: str) -> Iterator[None]:
@@ -431,11 +467,12 @@ class Pass(HeldCommits):
         finally:
             context.leave(token)
 
-    async def _keep(self, attempt_id: str, value: Any) -> Any:
+    async def _keep(self, attempt_id: str, value: Any, outcome: Outcome | None = None) -> Any:
         """The call's value recorded as the step's result, between a native step's crash
         points; handed back to the agent."""
         crash_point("after_tool")
-        outcome = outcomes.bounded(to_jsonable_python(value))
+        if outcome is None:
+            outcome = outcomes.bounded(to_jsonable_python(value))
         await self.append(self.event(attempt_id, Phase.RESULT, outcome.to_json()))
         crash_point("after_result")
         return value if outcome.status == "ok" else _fed(outcome)  # as a replay hands back
@@ -448,7 +485,9 @@ class Pass(HeldCommits):
             OUTPUT_KEY: to_jsonable_python(output),
             MESSAGES_KEY: dump_messages(messages),
         }
-        await self.append(self.event(step_ids.FINAL, Phase.RESULT, final), status=RunStatus.CLOSED)
+        ended = self.trace.end("closed")  # its mark rides the final commit
+        events = [self.event(step_ids.FINAL, Phase.RESULT, final)]
+        await self.append(*events, *([ended] if ended else []), status=RunStatus.CLOSED)
 
 
 _RETRY_PREFIX = "model_retry: "
@@ -479,6 +518,24 @@ def _keyed(key: str | None, run: Callable[[], Awaitable[Any]]) -> Callable[[], A
     from ._pydantic_ai_mcp import call_keyed
 
     return functools.partial(call_keyed, key, run)
+
+
+@dataclass(frozen=True, slots=True)
+class _Running:
+    """A tool step this pass runs: its ids, its tool, whether a person approved it."""
+
+    step_id: str
+    attempt_id: str
+    name: str
+    call_id: str
+    decision: Decision
+
+
+def _model_names(model: Model | None) -> tuple[str, str]:
+    """The ``gen_ai.request.model`` and ``gen_ai.provider.name`` of Pydantic AI's ``model``."""
+    if model is None:
+        return "", "unknown"
+    return model.model_name, model.system or tracing.provider_of(model)
 
 
 @dataclass(frozen=True, slots=True)

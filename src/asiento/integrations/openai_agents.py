@@ -50,8 +50,18 @@ from ..model import ModelRequest, ModelResponse
 from ..payloads import SUBMITTED, Approval, Final, Intent, ModelResult, Outcome, Resolution
 from ..replay import Action, StepState, decide, index, step_state
 from ..session import RunStats, Session
+from ..telemetry.tracing import (
+    OFF,
+    Off,
+    PassTrace,
+    Telemetry,
+    provider_of,
+    step_traceparent,
+    telemetry_of,
+)
 from . import _oa_wire as wire
 from ._commits import HeldCommits
+from ._traced import traced_pass
 from ._worker import pass_end, shown
 
 __all__ = ["DurableResult", "durable_run"]
@@ -92,6 +102,7 @@ async def durable_run(
     lease_ttl: float = 30.0,
     lease: Lease | None = None,
     tracing: bool = False,
+    telemetry: bool | Telemetry | None = None,
 ) -> DurableResult:
     """Run ``agent`` on ``input`` with ``Runner.run``, durably, as run ``run_id`` of ``store``.
 
@@ -100,14 +111,17 @@ async def durable_run(
     ``idempotent_tools`` may run again after a crash; every other function tool runs
     at most once, or the run stops with ``UncertainEffect``. ``lease`` is one a claim
     gave (``store.claim``, for runs queued with ``asiento.submit``): the run is driven
-    under it, as a worker drives a native run.
+    under it, as a worker drives a native run. ``tracing`` keeps the SDK's own tracing on;
+    ``telemetry`` traces the run with asiento's OpenTelemetry spans, as
+    ``Agent(telemetry=...)`` does a native one (docs/observability.md).
     """
     if not isinstance(agent, Agent):
         raise UsageError(f"durable_run() takes an agents.Agent, got {type(agent).__name__}")
     if not isinstance(input, str):
         raise UsageError("durable_run(input=...) takes the task as a str")
     session = Session(run_id, _SdkModels(), store, lease_ttl=lease_ttl, lease=lease)
-    options = _Options(frozenset(idempotent_tools), run_config, context, max_turns, tracing)
+    traced = telemetry_of(telemetry, "durable_run")
+    options = _Options(frozenset(idempotent_tools), run_config, context, max_turns, tracing, traced)
     return await _pass(agent, input, session, options)
 
 
@@ -120,6 +134,7 @@ class _Options:
     context: Any
     max_turns: int
     tracing: bool
+    telemetry: Telemetry | None = None
 
 
 async def _pass(
@@ -133,18 +148,23 @@ async def _pass(
         return _closed(run_id, closed)
     async with session.driving() as held:
         run = _Run(run_id, store, held, options.idempotent_tools, session.stats)
-        await run.load()
+        events = await run.load()
         durable = run.agent(agent)
         run.check_tools_known()
         config = run.config(options.run_config or RunConfig(), tracing=options.tracing)
-        return await _drive(
-            run,
-            durable,
-            input,
-            context=options.context,
-            max_turns=options.max_turns,
-            config=config,
-        )
+        async with traced_pass(options.telemetry, agent.name, session, held, events) as traced:
+            run.trace = traced.trace
+            ended = await _drive(
+                run,
+                durable,
+                input,
+                context=options.context,
+                max_turns=options.max_turns,
+                config=config,
+            )
+            if ended.awaiting:
+                traced.status = "awaiting_approval"
+            return ended
 
 
 class WorkerAgent:
@@ -166,12 +186,14 @@ class WorkerAgent:
         context: Any = None,
         max_turns: int = 10,
         tracing: bool = False,
+        telemetry: bool | Telemetry | None = None,
     ) -> None:
         if not isinstance(agent, Agent):
             raise UsageError(f"WorkerAgent() takes an agents.Agent, got {type(agent).__name__}")
         self.agent = agent
+        traced = telemetry_of(telemetry, "WorkerAgent")
         self.options = _Options(
-            frozenset(idempotent_tools), run_config, context, max_turns, tracing
+            frozenset(idempotent_tools), run_config, context, max_turns, tracing, traced
         )
 
     async def run(self, task: str, *, session: Session) -> AsyncIterator[Step]:
@@ -264,9 +286,13 @@ class _Run(HeldCommits):
         self.tool_names: set[str] = set()
         self.last_step = ""
         self.running: dict[str, asyncio.Event] = {}  # tool steps executing now
+        self.trace: PassTrace | Off = OFF
 
-    async def load(self) -> None:
-        self.journal = index(await self.store.load(self.run_id))
+    async def load(self) -> list[StepEvent]:
+        """The run's journal, as this pass begins: its records, indexed."""
+        events = await self.store.load(self.run_id)
+        self.journal = index(events)
+        return events
 
     # -- the agent graph, wrapped ------------------------------------------------------
 
@@ -366,13 +392,19 @@ class _Run(HeldCommits):
         self.stats.output_tokens_saved += response.usage.output_tokens
         return response
 
-    def record_answer(self, step_id: str, fp: str, model: str, response: SdkResponse) -> None:
+    def record_answer(
+        self, step_id: str, fp: str, model: str, response: SdkResponse
+    ) -> ModelResult:
         """Record a new answer with the next commit: the intents of the tools it asks for
         (durable before any runs), its handoff, or the final record. A model+tool step
         costs two commits, as a native one does."""
         result = ModelResult(fp=fp, response=wire.summary(response, model))
         payload = result.to_json() | {wire.RESPONSE_KEY: wire.dump_response(response)}
         self.hold(self.event(step_id, Phase.RESULT, payload))
+        self.stats.model_calls += 1
+        self.stats.input_tokens += response.usage.input_tokens
+        self.stats.output_tokens += response.usage.output_tokens
+        return result
 
     def number_calls(self, step_id: str, response: SdkResponse, handoffs: set[str]) -> None:
         """Give each function call of the answer its step id, from its position in it."""
@@ -391,8 +423,10 @@ class _Run(HeldCommits):
         records = state.records
         action = decide(records, idempotent=call.idempotent)
         if action is Action.FEED_RESULT:
+            self.stats.tool_calls_replayed += 1
             return _value(Outcome.from_json(records[Phase.RESULT].payload))
         if action is Action.FEED_RESOLUTION:
+            self.stats.tool_calls_replayed += 1
             return _value(Resolution.from_json(records[Phase.RESOLUTION].payload).as_outcome())
         if action is Action.FEED_DENIAL:
             denial = Approval.from_json(records[Phase.APPROVAL].payload).as_outcome()
@@ -400,6 +434,7 @@ class _Run(HeldCommits):
             await self.append(event)
             return _value(denial)
         if action is Action.UNCERTAIN:
+            self.trace.noted("asiento.effect.uncertain", state.current_id, call.name)
             stop = _Stop(UncertainEffect(self.run_id, state.current_id, call.name))
             return await self._stop_for_person(stop, call, state.current_id, Phase.RESOLUTION)
         if action is Action.AWAIT_APPROVAL:
@@ -415,6 +450,7 @@ class _Run(HeldCommits):
             intent = Intent(tool=call.name, args=args, fp=fingerprint(args)[:32]).to_json()
             if await call.needs_approval(args):
                 ask = self.event(step_id, Phase.INTENT, intent, Decision.REQUIRE_APPROVAL)
+                self.trace.noted("asiento.approval.requested", step_id, call.name)
                 await self.append(ask, status=RunStatus.SUSPENDED)
                 await self._halt(_Stop(awaiting=step_id))
             events.insert(0, self.event(step_id, Phase.INTENT, intent, Decision.ALLOW))
@@ -422,9 +458,14 @@ class _Run(HeldCommits):
         try:
             await self.append(*events)
             crash_point("after_submitted")
-            outcome = await _outcome_of(call.invoke)
+            approved = Phase.APPROVAL in state.records
+            args = _arguments(call.args_json)
+            with self.trace.executing(step_id, attempt_id, call.name, call.ctx.tool_call_id, args):
+                outcome = await _outcome_of(call.invoke)
+                self.trace.executed(outcome, Decision.APPROVED if approved else Decision.ALLOW)
+            self.stats.tool_calls += 1
             crash_point("after_tool")
-            decision = Decision.APPROVED if Phase.APPROVAL in state.records else None
+            decision = Decision.APPROVED if approved else None
             await self.append(self.event(attempt_id, Phase.RESULT, outcome.to_json(), decision))
             crash_point("after_result")
         finally:
@@ -471,7 +512,8 @@ class _Run(HeldCommits):
         text = recorded if isinstance(recorded, str) else json.dumps(recorded, ensure_ascii=False)
         payload = Final(step=self.last_step, text=text).to_json() | {"output": recorded}
         event = self.event(step_ids.FINAL, Phase.RESULT, payload)
-        await self.append(event, status=RunStatus.CLOSED)
+        ended = self.trace.end("closed")  # its mark rides the final commit
+        await self.append(event, *([ended] if ended else []), status=RunStatus.CLOSED)
 
 
 class _JournaledProvider(ModelProvider):
@@ -524,15 +566,21 @@ class _JournaledModel(Model):
             await run.settle()  # the answers before this one are durable before it is asked
             key = model_key(run.run_id, step_id, fp)
             headers = {**(model_settings.extra_headers or {}), **key_header(key)}
-            response = await self.inner.get_response(
-                system_instructions, input,
-                dataclasses.replace(model_settings, extra_headers=headers),
-                tools, output_schema, handoffs, tracing,
-                previous_response_id=previous_response_id,
-                conversation_id=conversation_id, prompt=prompt,
-            )  # fmt: skip
-            crash_point("inside_model_call")
-            run.record_answer(step_id, fp, self.name, response)
+
+            def content() -> tuple[Any, str | None]:
+                return wire.jsonable(input), system_instructions
+
+            with run.trace.generating(step_id, self.name, provider_of(self.inner), content):
+                headers |= step_traceparent()
+                response = await self.inner.get_response(
+                    system_instructions, input,
+                    dataclasses.replace(model_settings, extra_headers=headers),
+                    tools, output_schema, handoffs, tracing,
+                    previous_response_id=previous_response_id,
+                    conversation_id=conversation_id, prompt=prompt,
+                )  # fmt: skip
+                crash_point("inside_model_call")
+                run.trace.answered(run.record_answer(step_id, fp, self.name, response))
         run.number_calls(step_id, response, {h.tool_name for h in handoffs})
         return response
 

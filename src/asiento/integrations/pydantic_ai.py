@@ -53,11 +53,13 @@ from ..payloads import (
 )
 from ..replay import index
 from ..session import RunStats, Session
+from ..telemetry.tracing import Telemetry, telemetry_of
 from ._pydantic_ai_pass import MESSAGES_KEY, OUTPUT_KEY, Pass
 from ._pydantic_ai_records import (
     load_messages,
 )
 from ._pydantic_ai_replay import replayed_scope, uninstrumented
+from ._traced import traced_pass
 from ._worker import abandonment, pass_end, shown
 
 __all__ = ["DurableResult", "WorkerAgent", "durable_run"]
@@ -100,6 +102,7 @@ async def durable_run(
     lease_ttl: float = 30.0,
     wait: float = 0.0,
     lease: Lease | None = None,
+    telemetry: bool | Telemetry | None = None,
 ) -> DurableResult:
     """Drive ``agent`` on ``prompt`` as run ``run_id`` of ``store``, to its end.
 
@@ -113,8 +116,12 @@ async def durable_run(
     how long they keep a key (seconds; None: forever), so a call a crash left without
     an outcome is asked again under the same key while the key is live, and the
     server's record of it is the outcome. ``lease`` is one a worker claimed.
+    ``telemetry`` traces the run as ``Agent(telemetry=...)`` does a native one
+    (docs/observability.md).
     """
-    options = _options(agent, model, idempotent, trusted_mcp, honours_keys, deps, who="durable_run")
+    options = _options(
+        agent, model, idempotent, trusted_mcp, honours_keys, deps, telemetry, who="durable_run"
+    )
     if not isinstance(prompt, str):
         raise UsageError(f"durable_run(prompt=...) must be a str, got {type(prompt).__name__}")
     session = Session(run_id, _FrameworkModel(), store, lease_ttl=lease_ttl, wait=wait, lease=lease)
@@ -130,6 +137,7 @@ class _Options:
     trusted_mcp: frozenset[str]
     deps: Any
     honours_keys: Mapping[str, float | None] = field(default_factory=dict)
+    telemetry: Telemetry | None = None
 
 
 async def _drive(
@@ -147,63 +155,78 @@ async def _drive(
         return _closed(agent, session, final)
     try:
         async with session.driving() as held:
-            journal = index(await store.load(session.run_id))
-            run = Pass(
-                session,
-                held,
-                options.idempotent,
-                options.trusted_mcp,
-                journal,
-                honours=options.honours_keys,
-            )
-            model, capabilities = uninstrumented(infer_model(options.model))
-            wrapped = _JournaledModel(model, run=run)
-            extra: dict[str, Any] = {"capabilities": capabilities} if capabilities else {}
-            toolsets = [_JournaledToolset(_keyed(t, run), run=run) for t in agent.toolsets]
-            asked: str | None = prompt
-            history, decided = message_history, None
-            try:
-                with (
-                    agent.override(model=wrapped, toolsets=toolsets, tools=[]),
-                    _unwrapped(),
-                    replayed_scope(),  # Pydantic AI's spans: none for what is replayed
-                ):
-                    while True:  # each round ends at a deferral the journal has decisions for
-                        result = await agent.run(
-                            asked,
-                            deps=options.deps,
-                            message_history=history,
-                            deferred_tool_results=decided,
-                            **extra,
-                        )
-                        if not isinstance(result.output, DeferredToolRequests):
-                            break
-                        decided, awaiting = await run.decisions(result.output)
-                        if decided is None:
-                            return DurableResult(
-                                run_id=session.run_id,
-                                output=None,
-                                messages=result.all_messages(),
-                                replayed=False,
-                                stats=session.stats,
-                                awaiting=awaiting,
-                            )
-                        asked, history = None, result.all_messages()
-                messages = result.all_messages()
-                await run.close(result.output, messages)
-            finally:
-                await run.keep_paid_answer()
+            events = await store.load(session.run_id)
+            name = agent.name or "agent"
+            async with traced_pass(options.telemetry, name, session, held, events) as traced:
+                run = Pass(
+                    session,
+                    held,
+                    options.idempotent,
+                    options.trusted_mcp,
+                    index(events),
+                    honours=options.honours_keys,
+                    trace=traced.trace,
+                )
+                ended = await _runs(agent, prompt, run, options, message_history)
+                if ended.awaiting:
+                    traced.status = "awaiting_approval"
+                return ended
     except LeaseLost as exc:
         abandoned = await abandonment(session)
         if abandoned is None:
             raise
         raise abandoned from exc
+
+
+async def _runs(
+    agent: Agent[Any, Any],
+    prompt: str,
+    run: Pass,
+    options: _Options,
+    message_history: Sequence[ModelMessage] | None,
+) -> DurableResult:
+    """The pass's ``agent.run`` calls: one, and one more after each deferral the journal
+    has decisions for; to the run's close or a stop for a person."""
+    model, capabilities = uninstrumented(infer_model(options.model))
+    wrapped = _JournaledModel(model, run=run)
+    extra: dict[str, Any] = {"capabilities": capabilities} if capabilities else {}
+    toolsets = [_JournaledToolset(_keyed(t, run), run=run) for t in agent.toolsets]
+    asked: str | None = prompt
+    history, decided = message_history, None
+    stats = run.session.stats
+    try:
+        with (
+            agent.override(model=wrapped, toolsets=toolsets, tools=[]),
+            _unwrapped(),
+            replayed_scope(),  # Pydantic AI's spans: none for what is replayed
+        ):
+            while True:  # each round ends at a deferral the journal has decisions for
+                result = await agent.run(
+                    asked,
+                    deps=options.deps,
+                    message_history=history,
+                    deferred_tool_results=decided,
+                    **extra,
+                )
+                if not isinstance(result.output, DeferredToolRequests):
+                    break
+                decided, awaiting = await run.decisions(result.output)
+                if decided is None:
+                    return DurableResult(
+                        run_id=run.run_id,
+                        output=None,
+                        messages=result.all_messages(),
+                        replayed=False,
+                        stats=stats,
+                        awaiting=awaiting,
+                    )
+                asked, history = None, result.all_messages()
+        messages = result.all_messages()
+        await run.close(result.output, messages)
+    finally:
+        await run.keep_paid_answer()
     return DurableResult(
-        run_id=session.run_id,
-        output=result.output,
-        messages=messages,
-        replayed=False,
-        stats=session.stats,
+        run_id=run.run_id, output=result.output, messages=messages, replayed=False, stats=stats
     )
 
 
@@ -225,9 +248,10 @@ class WorkerAgent:
         honours_keys: Mapping[str, float | None] | None = None,
         model: Model | str | None = None,
         deps: Any = None,
+        telemetry: bool | Telemetry | None = None,
     ) -> None:
         self.options = _options(
-            agent, model, idempotent, trusted_mcp, honours_keys, deps, who="WorkerAgent"
+            agent, model, idempotent, trusted_mcp, honours_keys, deps, telemetry, who="WorkerAgent"
         )
         self.agent = agent
 
@@ -252,6 +276,7 @@ def _options(  # noqa: PLR0917 (durable_run's and WorkerAgent's own arguments, i
     trusted_mcp: Iterable[str],
     honours_keys: Mapping[str, float | None] | None,
     deps: Any,
+    telemetry: bool | Telemetry | None,
     *,
     who: str,
 ) -> _Options:
@@ -262,7 +287,8 @@ def _options(  # noqa: PLR0917 (durable_run's and WorkerAgent's own arguments, i
     if chosen is None:
         raise UsageError(f"{who}(): the agent has no model; pass model=...")
     honours = _honours(honours_keys, who=who)
-    return _Options(chosen, frozenset(idempotent), frozenset(trusted_mcp), deps, honours)
+    traced = telemetry_of(telemetry, who)
+    return _Options(chosen, frozenset(idempotent), frozenset(trusted_mcp), deps, honours, traced)
 
 
 def _honours(declared: Mapping[str, float | None] | None, *, who: str) -> dict[str, float | None]:
@@ -364,7 +390,9 @@ class _JournaledModel(WrapperModel):
         async def ask(settings: ModelSettings) -> FrameworkResponse:
             return await self.wrapped.request(messages, settings, model_request_parameters)
 
-        return await self._run.model_step(messages, model_settings, model_request_parameters, ask)
+        return await self._run.model_step(
+            messages, model_settings, model_request_parameters, ask, self.wrapped
+        )
 
     @contextlib.asynccontextmanager
     async def request_stream(

@@ -28,7 +28,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -400,15 +400,33 @@ class PassTrace:
 
     # model and tool steps
 
-    @contextlib.contextmanager
-    def asking(self, step_id: str, gateway: object, request: ModelRequest) -> Iterator[None]:
+    def asking(
+        self, step_id: str, gateway: object, request: ModelRequest
+    ) -> contextlib.AbstractContextManager[None]:
         """A generation asked for (and paid) by this pass: a CLIENT ``chat`` span."""
-        from opentelemetry import trace
+
+        def content() -> tuple[Any, str | None]:
+            return [m.to_json() for m in request.messages], request.instructions
 
         model = str(getattr(gateway, "model", "") or "")
+        return self.generating(step_id, model, provider_of(gateway), content)
+
+    @contextlib.contextmanager
+    def generating(
+        self,
+        step_id: str,
+        model: str,
+        provider: str,
+        content: Callable[[], tuple[Any, str | None]],
+    ) -> Iterator[None]:
+        """A generation asked for (and paid) by this pass, however it was asked (a native
+        gateway, a framework's model): a CLIENT ``chat`` span. ``content()``: the request's
+        messages (JSON) and instructions, read only when content is captured."""
+        from opentelemetry import trace
+
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": "chat",
-            "gen_ai.provider.name": _provider(gateway),
+            "gen_ai.provider.name": provider,
             "asiento.run.id": self.run_id,
             "asiento.step.id": step_id,
             "asiento.attempt": self.fence,
@@ -416,9 +434,10 @@ class PassTrace:
         if model:
             attributes["gen_ai.request.model"] = model
         if self.content:
-            attributes["gen_ai.input.messages"] = _content([m.to_json() for m in request.messages])
-            if request.instructions:
-                attributes["gen_ai.system_instructions"] = request.instructions
+            messages, instructions = content()
+            attributes["gen_ai.input.messages"] = _content(messages)
+            if instructions:
+                attributes["gen_ai.system_instructions"] = instructions
         self._model = self._start(
             f"chat {model}".strip(),
             _digest_id(self.trace_id, step_id, self.fence),
@@ -543,6 +562,32 @@ class PassTrace:
             attributes = {"asiento.step.id": step_id, "gen_ai.tool.name": tool}
             self.span.add_event(event, {**attributes, **more})
 
+    # a framework's pass (asiento.integrations)
+
+    @contextlib.contextmanager
+    def current(self) -> Iterator[None]:
+        """The pass's span as the current OpenTelemetry context while a framework runs the
+        pass, so the framework's own spans (Pydantic AI's ``instrument=True``) nest under it."""
+        from opentelemetry import context as otel_context
+
+        if self.span is None:
+            yield
+            return
+        token = otel_context.attach(self._parent() or otel_context.Context())
+        try:
+            yield
+        finally:
+            otel_context.detach(token)
+
+    def framework_spans(self) -> bool:
+        """Whether a span other than the pass's is current: the framework's own span of the
+        step (its instrumentation, opened before asiento's model or tool is reached), which
+        is then the step's span; asiento adds none of its own, not to count the step twice."""
+        from opentelemetry import trace
+
+        current = trace.get_current_span()
+        return current is not self.span and current.is_recording()
+
     # plumbing
 
     def _parent(self) -> Context | None:
@@ -610,6 +655,15 @@ class Off:
     ) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
 
+    def generating(
+        self,
+        step_id: str,
+        model: str,
+        provider: str,
+        content: Callable[[], tuple[Any, str | None]],
+    ) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
     def answered(self, result: ModelResult) -> None:
         return None
 
@@ -623,6 +677,12 @@ class Off:
 
     def noted(self, event: str, step_id: str, tool: str, **more: str) -> None:
         return None
+
+    def current(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def framework_spans(self) -> bool:
+        return False
 
 
 OFF: Final = Off()
@@ -673,6 +733,22 @@ def _counts(stats: RunStats) -> tuple[float, ...]:
     )
 
 
+def status_of(exc: BaseException) -> str:
+    """How a pass left the run when it ended with ``exc`` (``asiento.run.status``)."""
+    import asyncio
+
+    from .. import shutdown
+    from ..errors import LeaseLost, UncertainEffect
+
+    if isinstance(exc, UncertainEffect):
+        return "uncertain"
+    if isinstance(exc, shutdown.ShutdownRequested | GeneratorExit | asyncio.CancelledError):
+        return "stopped"
+    if isinstance(exc, LeaseLost):
+        return "lease_lost"
+    return "failed"
+
+
 def caller_context() -> TraceContext | None:
     """The caller's current span as a run's trace context (a web request that submits a
     run, say); None without one, or without the OpenTelemetry API."""
@@ -717,7 +793,8 @@ def _cause(events: Sequence[StepEvent], died: Sequence[int]) -> str:
     return "taken_over" if died else "resumed"
 
 
-def _provider(gateway: object) -> str:
+def provider_of(gateway: object) -> str:
+    """The ``gen_ai.provider.name`` of a gateway or a framework's model, from its class."""
     kind = type(gateway).__name__.lower()
     for name in ("openai", "anthropic"):
         if name in kind:

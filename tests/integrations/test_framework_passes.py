@@ -1,0 +1,265 @@
+"""asiento's own traces of framework runs (``durable_run(..., telemetry=...)``), read with the
+real OpenTelemetry SDK and an in-memory exporter: the same shape as a native run's.
+
+A run that calls ``lookup`` and then ``refund`` (which needs a person's approval: the first
+pass stops there), resumed after the approval in a second pass, is ONE trace: two
+``invoke_agent`` pass spans, the second linked to the first; one ``chat`` span per
+generation paid (``FakeProvider`` counts them by key) and one ``execute_tool`` span per
+tool that ran (each tool counts its own runs), none for what the second pass replayed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from asiento import SqliteCheckpointer, Telemetry, approve
+from providers.fake_servers import Answer, FakeProvider
+
+RUN = "refund-9"
+TASK = "refund order A1"
+LOOKUP = Answer(calls=(("lookup", {"order": "A1"}),))
+REFUND = Answer(calls=(("refund", {"order": "A1"}),))
+DONE = Answer(text="refunded A1")
+
+
+@pytest.fixture
+def spans() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()
+
+
+def _attrs(span: ReadableSpan) -> dict[str, Any]:
+    return dict(span.attributes or {})
+
+
+def _asiento(found: tuple[ReadableSpan, ...], operation: str) -> list[ReadableSpan]:
+    """asiento's own spans of one GenAI operation (``chat``, ``execute_tool``...)."""
+    return [
+        s
+        for s in found
+        if s.instrumentation_scope is not None
+        and s.instrumentation_scope.name == "asiento"
+        and _attrs(s).get("gen_ai.operation.name") == operation
+    ]
+
+
+def _passes(found: tuple[ReadableSpan, ...]) -> list[ReadableSpan]:
+    passes = [s for s in _asiento(found, "invoke_agent") if "asiento.pass.fence" in _attrs(s)]
+    return sorted(passes, key=lambda s: _attrs(s)["asiento.pass.fence"])
+
+
+def _check_passes(found: tuple[ReadableSpan, ...], name: str) -> tuple[ReadableSpan, ...]:
+    """One trace, its run span, two pass spans (first, then after the approval) linked in
+    order, each a child of the run's span; the two pass spans."""
+    assert len({s.context.trace_id for s in found}) == 1
+    first, second = _passes(found)
+    assert first.name == second.name == f"invoke_agent {name}"
+    [run_span] = [s for s in _asiento(found, "invoke_agent") if s not in (first, second)]
+    assert run_span.parent is None
+    assert _attrs(run_span)["asiento.run.status"] == "closed"
+    for span in (first, second):
+        assert span.parent is not None
+        assert span.parent.span_id == run_span.context.span_id
+    assert [link.context.span_id for link in second.links] == [first.context.span_id]
+    causes = [
+        (_attrs(s)["asiento.pass.cause"], _attrs(s)["asiento.run.status"]) for s in (first, second)
+    ]
+    assert causes == [("first", "awaiting_approval"), ("decided", "closed")]
+    assert [e.name for e in first.events] == ["asiento.approval.requested"]
+    return first, second
+
+
+def _steps_under(span: ReadableSpan, steps: list[ReadableSpan]) -> list[str]:
+    return [
+        _attrs(s)["asiento.step.id"]
+        for s in steps
+        if s.parent is not None and s.parent.span_id == span.context.span_id
+    ]
+
+
+def _counts(span: ReadableSpan) -> tuple[int, ...]:
+    """(executed model, executed tools, replayed model, replayed tools) of a pass span."""
+    names = ("executed.model_calls", "executed.tool_calls")
+    names += ("replayed.model_calls", "replayed.tool_calls")
+    return tuple(int(_attrs(span)[f"asiento.{n}"]) for n in names)
+
+
+def _carried(provider: FakeProvider, chats: list[ReadableSpan]) -> None:
+    """Each paid generation's request carried its ``chat`` span's context."""
+    sent = [r.headers.get("traceparent", "") for r in provider.requests if r.key]
+    assert [p.split("-")[2] for p in sent] == [f"{s.context.span_id:016x}" for s in chats]
+
+
+# -- Pydantic AI ------------------------------------------------------------------------------
+
+
+def _pydantic_agent(client: Any, ran: Counter[str], instrumented: TracerProvider | None) -> Any:
+    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai.capabilities import Instrumentation
+    from pydantic_ai.models.instrumented import InstrumentationSettings
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    model = OpenAIChatModel("gpt-test", provider=OpenAIProvider(openai_client=client))
+    capabilities: list[Any] = []
+    if instrumented is not None:
+        settings = InstrumentationSettings(tracer_provider=instrumented)
+        capabilities.append(Instrumentation(settings=settings))
+    output: list[Any] = [str, DeferredToolRequests]
+    agent = Agent(model, name="refunds", output_type=output, capabilities=capabilities)
+
+    @agent.tool_plain
+    def lookup(order: str) -> str:
+        """Look an order up."""
+        ran["lookup"] += 1
+        return f"{order}: paid 10 EUR"
+
+    @agent.tool_plain(requires_approval=True)
+    def refund(order: str) -> str:
+        """Refund an order."""
+        ran["refund"] += 1
+        return f"refunded {order}"
+
+    return agent
+
+
+async def _pydantic_run(
+    tmp_path: Path, provider: FakeProvider, tracers: TracerProvider, *, instrument: bool
+) -> Counter[str]:
+    """The run's two passes, the approval between them; the tools' own count of their runs."""
+    import openai
+
+    from asiento.integrations.pydantic_ai import durable_run
+
+    ran: Counter[str] = Counter()
+    telemetry = Telemetry(tracer_provider=tracers)
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    async with openai.AsyncOpenAI(base_url=provider.openai_url, api_key="sk-t") as client:
+        agent = _pydantic_agent(client, ran, tracers if instrument else None)
+        try:
+            first = await durable_run(agent, TASK, run_id=RUN, store=store, telemetry=telemetry)
+            assert first.awaiting == ("m2.t1",)
+            await approve(store, RUN, "m2.t1", by="ana")
+            done = await durable_run(agent, TASK, run_id=RUN, store=store, telemetry=telemetry)
+        finally:
+            await store.close()
+    assert done.output == "refunded A1"
+    return ran
+
+
+async def test_a_pydantic_ai_run_is_one_trace_with_a_span_per_paid_step(
+    tmp_path: Path, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    """Pydantic AI's instrumentation off: asiento's pass spans, and its ``chat`` and
+    ``execute_tool`` spans for what each pass paid for or ran, none for what it replayed."""
+    tracers, exporter = spans
+    with FakeProvider((LOOKUP, REFUND, DONE)) as provider:
+        ran = await _pydantic_run(tmp_path, provider, tracers, instrument=False)
+    found = exporter.get_finished_spans()
+    first, second = _check_passes(found, "refunds")
+    chats, tools = _asiento(found, "chat"), _asiento(found, "execute_tool")
+    assert len(chats) == provider.billed() == 3
+    assert (_steps_under(first, chats), _steps_under(second, chats)) == (["m1", "m2"], ["m3"])
+    assert (
+        Counter(_attrs(s)["gen_ai.tool.name"] for s in tools) == ran == {"lookup": 1, "refund": 1}
+    )
+    assert (_steps_under(first, tools), _steps_under(second, tools)) == (["m1.t1"], ["m2.t1"])
+    assert _attrs(tools[-1])["asiento.outcome"] == "approved"
+    assert _attrs(chats[0])["gen_ai.request.model"] == "gpt-test"
+    assert _attrs(chats[0])["gen_ai.provider.name"] == "openai"
+    assert (_counts(first), _counts(second)) == ((2, 1, 0, 0), (1, 1, 2, 1))
+    _carried(provider, chats)
+
+
+async def test_pydantic_ais_own_spans_nest_under_the_pass_and_are_the_step_spans(
+    tmp_path: Path, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    """Pydantic AI's instrumentation on: its spans join the run's trace under asiento's
+    pass spans; its ``chat`` and ``execute_tool`` spans are the steps' (one per generation
+    paid, per tool run, none replayed: ``replay_scope``), and asiento adds none of its own."""
+    tracers, exporter = spans
+    with FakeProvider((LOOKUP, REFUND, DONE)) as provider:
+        ran = await _pydantic_run(tmp_path, provider, tracers, instrument=True)
+    found = exporter.get_finished_spans()
+    first, second = _check_passes(found, "refunds")
+    assert (_asiento(found, "chat"), _asiento(found, "execute_tool")) == ([], [])
+    theirs = [s for s in found if s.instrumentation_scope.name != "asiento"]
+    kinds = Counter(_attrs(s).get("gen_ai.operation.name") for s in theirs)
+    assert kinds["chat"] == provider.billed() == 3
+    tools = [_attrs(s)["gen_ai.tool.name"] for s in theirs if s.name.startswith("execute_tool")]
+    assert Counter(tools) == ran == {"lookup": 1, "refund": 1}
+    runs = [s for s in theirs if s.name.startswith("invoke_agent") or s.name == "agent run"]
+    parents = [s.parent.span_id if s.parent else None for s in runs]
+    ids = (first.context.span_id, second.context.span_id)
+    assert Counter(parents) == {ids[0]: 1, ids[1]: 2}  # the pass after the approval: 2 runs
+    assert (_counts(first), _counts(second)) == ((2, 1, 0, 0), (1, 1, 2, 1))
+
+
+# -- OpenAI Agents SDK ------------------------------------------------------------------------
+
+
+async def test_an_agents_sdk_run_is_one_trace_with_a_span_per_paid_step(
+    tmp_path: Path, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    """The SDK's own tracing off (its default in ``durable_run``): asiento's OpenTelemetry
+    spans of the run, as a native run's."""
+    import openai
+    from agents import Agent, OpenAIChatCompletionsModel, function_tool
+
+    from asiento.integrations.openai_agents import durable_run
+
+    tracers, exporter = spans
+    ran: Counter[str] = Counter()
+
+    @function_tool
+    def lookup(order: str) -> str:
+        """Look an order up."""
+        ran["lookup"] += 1
+        return f"{order}: paid 10 EUR"
+
+    @function_tool(needs_approval=True)
+    def refund(order: str) -> str:
+        """Refund an order."""
+        ran["refund"] += 1
+        return f"refunded {order}"
+
+    telemetry = Telemetry(tracer_provider=tracers)
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    with FakeProvider((LOOKUP, REFUND, DONE)) as provider:
+        async with openai.AsyncOpenAI(
+            base_url=provider.openai_url, api_key="sk-t", max_retries=0
+        ) as client:
+            model = OpenAIChatCompletionsModel(model="gpt-test", openai_client=client)
+            agent = Agent(name="refunds", model=model, tools=[lookup, refund])
+            try:
+                first = await durable_run(agent, TASK, run_id=RUN, store=store, telemetry=telemetry)
+                assert first.awaiting == "m2.t1"
+                await approve(store, RUN, "m2.t1", by="ana")
+                done = await durable_run(agent, TASK, run_id=RUN, store=store, telemetry=telemetry)
+            finally:
+                await store.close()
+    assert done.final_output == "refunded A1"
+    found = exporter.get_finished_spans()
+    first_pass, second_pass = _check_passes(found, "refunds")
+    chats, tools = _asiento(found, "chat"), _asiento(found, "execute_tool")
+    assert len(chats) == provider.billed() == 3
+    steps = (_steps_under(first_pass, chats), _steps_under(second_pass, chats))
+    assert steps == (["m1", "m2"], ["m3"])
+    assert (
+        Counter(_attrs(s)["gen_ai.tool.name"] for s in tools) == ran == {"lookup": 1, "refund": 1}
+    )
+    steps = (_steps_under(first_pass, tools), _steps_under(second_pass, tools))
+    assert steps == (["m1.t1"], ["m2.t1"])
+    assert (_counts(first_pass), _counts(second_pass)) == ((2, 1, 0, 0), (1, 1, 2, 1))
+    _carried(provider, chats)
