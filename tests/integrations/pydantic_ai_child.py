@@ -6,8 +6,9 @@ The agent is a real ``pydantic_ai.Agent`` on ``OpenAIChatModel`` (the official
 ``openai`` client), or ``AnthropicModel`` (the official ``anthropic`` client) with
 ``--anthropic``, against ``BASE_URL``. Its ``refund`` tool appends one line to
 ``EFFECTS`` per run: the effect the tests count across processes. Arm
-``ASIENTO_CRASH_AT`` to have the pass kill itself with SIGKILL. The outcome is one
-JSON line on stdout.
+``ASIENTO_CRASH_AT`` to have the pass kill itself with SIGKILL. With ``--spans FILE``
+the run is traced (``telemetry=``): each span one fsynced JSON line of ``FILE`` as it
+ends, so what a killed pass exported outlives it. The outcome is one JSON line on stdout.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
             idempotent=idempotent,
             trusted_mcp=["notes"] if args.trusted else [],
             honours_keys=None if args.honours is None else {"notes": args.honours},
+            telemetry=_telemetry(args.spans),
         )
     except UncertainEffect as exc:
         why = {"why": str(exc)} if args.why else {}
@@ -101,6 +103,7 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
         return {"ended": type(exc).__name__, "why": str(exc)}
     finally:
         await store.close()
+        await model.client.close()  # its connections (a test runs a pass in its own process)
     stats = result.stats
     if result.awaiting:
         return {
@@ -118,6 +121,30 @@ async def _pass(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _telemetry(spans: str | None) -> Any:
+    """Tracing to ``spans``, one JSON line per span as it ends (None: untraced)."""
+    if spans is None:
+        return None
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+
+    from asiento import Telemetry
+    from asiento.testing._files import append_line
+
+    class Lines:
+        def export(self, batch: Any) -> SpanExportResult:
+            for span in batch:
+                append_line(spans, json.loads(span.to_json(indent=None)))
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self) -> None:
+            return None
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(Lines()))  # type: ignore[arg-type]
+    return Telemetry(tracer_provider=provider)
+
+
 def _hook(log: Path, key: str | None) -> Any:
     """The user's own ``process_tool_call``: it logs each call and adds its own ``_meta``
     (with ``key``, an idempotency key of its own: the hook's bug)."""
@@ -133,7 +160,8 @@ def _hook(log: Path, key: str | None) -> Any:
     return hook
 
 
-def main() -> None:
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The pass's command line, parsed (a test drives a pass in its own process with it)."""
     parser = argparse.ArgumentParser()
     for name in ("db", "run_id", "base_url", "effects"):
         parser.add_argument(name)
@@ -151,7 +179,17 @@ def main() -> None:
     parser.add_argument("--retry-once", action="store_true", help="refund raises ModelRetry once")
     parser.add_argument("--anthropic", action="store_true", help="AnthropicModel, not OpenAI")
     parser.add_argument("--slow-lookup", type=float, help="an idempotent lookup tool, this slow")
-    outcome = asyncio.run(_pass(parser.parse_args()))
+    parser.add_argument("--spans", help="trace the run: its spans to this file, a line each")
+    return parser.parse_args(argv)
+
+
+async def one_pass(args: argparse.Namespace) -> dict[str, Any]:
+    """One pass of the run as ``args`` say; its outcome."""
+    return await _pass(args)
+
+
+def main() -> None:
+    outcome = asyncio.run(_pass(arguments()))
     sys.stdout.write(json.dumps(outcome) + "\n")
 
 

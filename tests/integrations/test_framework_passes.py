@@ -10,6 +10,10 @@ tool that ran (each tool counts its own runs), none for what the second pass rep
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +25,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from asiento import SqliteCheckpointer, Telemetry, approve
+from asiento.testing import ENV_VAR
 from providers.fake_servers import Answer, FakeProvider
+
+from .pydantic_ai_child import arguments, one_pass
 
 RUN = "refund-9"
 TASK = "refund order A1"
@@ -263,3 +270,72 @@ async def test_an_agents_sdk_run_is_one_trace_with_a_span_per_paid_step(
     assert steps == (["m1.t1"], ["m2.t1"])
     assert (_counts(first_pass), _counts(second_pass)) == ((2, 1, 0, 0), (1, 1, 2, 1))
     _carried(provider, chats)
+
+
+# -- a pass killed with SIGKILL ---------------------------------------------------------------
+
+CHILD = Path(__file__).with_name("pydantic_ai_child.py")
+
+
+def _pass_argv(tmp_path: Path, provider: FakeProvider) -> list[str]:
+    """The command line of one traced pass of ``pydantic_ai_child.py``'s run."""
+    argv = [str(tmp_path / "runs.db"), RUN, provider.openai_url, str(tmp_path / "effects.log")]
+    return [*argv, "--spans", str(tmp_path / "spans.jsonl")]
+
+
+def _killed_pass(tmp_path: Path, provider: FakeProvider, crash: str) -> None:
+    """One traced pass in a new interpreter, killed with SIGKILL at ``crash``."""
+    argv = [sys.executable, str(CHILD), *_pass_argv(tmp_path, provider)]
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR} | {ENV_VAR: crash}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+
+
+async def test_a_pydantic_ai_pass_killed_and_resumed_elsewhere_is_one_trace(
+    tmp_path: Path,
+) -> None:
+    """Killed with SIGKILL once ``refund``'s result was recorded, resumed in another process
+    (this one, not to pay for a second interpreter's imports):
+    one trace; the killed pass's stand-in (it never ended its span) linked before the pass
+    that closed the run; a ``chat`` span per generation billed and an ``execute_tool`` span
+    per refund applied, none for what the second pass replayed."""
+    from asiento.testing._files import read_lines
+
+    with FakeProvider((REFUND, DONE)) as provider:
+        _killed_pass(tmp_path, provider, "after_result")
+        resumed = await one_pass(arguments(_pass_argv(tmp_path, provider)))  # this process
+    assert resumed["ended"] == "closed"
+    found: list[dict[str, Any]] = read_lines(tmp_path / "spans.jsonl")
+    assert len({s["context"]["trace_id"] for s in found}) == 1
+    by_id = {s["context"]["span_id"]: s for s in found}
+    assert all(s["parent_id"] is None or s["parent_id"] in by_id for s in found)  # no orphans
+    passes = sorted(
+        (s for s in found if "asiento.pass.fence" in s["attributes"]),
+        key=lambda s: s["attributes"]["asiento.pass.fence"],
+    )
+    dead, resumed = (s["attributes"] for s in passes)
+    assert (dead["asiento.pass.died"], resumed["asiento.pass.cause"]) == (True, "taken_over")
+    assert [link["context"]["span_id"] for link in passes[1]["links"]] == [
+        passes[0]["context"]["span_id"]
+    ]
+    assert (resumed["asiento.replayed.model_calls"], resumed["asiento.replayed.tool_calls"]) == (
+        1,
+        1,
+    )
+
+    def steps(operation: str) -> list[tuple[int, str]]:
+        return [
+            (
+                by_id[s["parent_id"]]["attributes"]["asiento.pass.fence"],
+                s["attributes"]["asiento.step.id"],
+            )
+            for s in found
+            if s["attributes"].get("gen_ai.operation.name") == operation
+            and "asiento.step.id" in s["attributes"]
+        ]
+
+    assert steps("chat") == [(1, "m1"), (2, "m2")]
+    assert provider.billed() == 2
+    applied = (tmp_path / "effects.log").read_text().split()
+    assert applied == ["A1"]
+    assert steps("execute_tool") == [(1, "m1.t1")]
