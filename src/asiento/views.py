@@ -91,7 +91,17 @@ class Waiting:
     def is_interrupt(self) -> bool:
         """A graph's ``interrupt(value)`` waiting for a person, not a tool call: a person
         is shown the value it asks about (``args["value"]``)."""
-        return self.tool == INTERRUPT and set(self.args) == {"value"}
+        return is_interrupt(self.tool, self.args)
+
+    @property
+    def call(self) -> str:
+        """The call a person decides about, on one line."""
+        return call_text(self.tool, self.args)
+
+
+def is_interrupt(tool: Any, args: Any) -> bool:
+    """Whether a tool step is a LangGraph ``interrupt(value)`` (``args["value"]``)."""
+    return tool == INTERRUPT and isinstance(args, dict) and set(args) == {"value"}
 
 
 def waiting_of(events: Sequence[StepEvent], status: RunStatus) -> list[Waiting]:
@@ -165,8 +175,13 @@ def decided_by(approval: StepEvent) -> str:
 
 def call_lines(waiting: Waiting) -> str:
     """The exact call a person decides about: tool, frozen arguments, payload, key, fingerprint."""
-    lines = [f"  tool         {waiting.tool}"]
-    lines.append(f"  arguments    {json.dumps(waiting.args, ensure_ascii=False, sort_keys=True)}")
+    if waiting.is_interrupt:
+        asked = json.dumps(waiting.args["value"], ensure_ascii=False, sort_keys=True)
+        lines = ["  asked by     the graph's interrupt()", f"  value        {asked}"]
+    else:
+        lines = [f"  tool         {waiting.tool}"]
+        args = json.dumps(waiting.args, ensure_ascii=False, sort_keys=True)
+        lines.append(f"  arguments    {args}")
     if waiting.prepared is not None:
         lines.append(f"  prepared     {json.dumps(waiting.prepared, ensure_ascii=False)}")
     if waiting.idem_key:
@@ -195,7 +210,7 @@ def summary(event: StepEvent) -> str:
     if event.phase == Phase.INTENT:
         intent = Intent.from_json(payload)
         key = f" key={intent.idem_key}" if intent.idem_key else ""
-        return _call(intent.tool, intent.args) + key
+        return call_text(intent.tool, intent.args) + key
     if event.phase == Phase.APPROVAL:
         return decided_by(event)
     if event.phase == Phase.SUBMITTED and step_ids.is_streamed(event.step_id):
@@ -233,7 +248,7 @@ def _budget_summary(event: StepEvent) -> str:
 
 
 def _model_summary(response: ModelResponse) -> str:
-    calls = [_call(c.name, c.arguments) for c in response.tool_calls]
+    calls = [f"{c.name}({inline_json(c.arguments)})" for c in response.tool_calls]
     said = f"says {_text(response.text)}" if response.text else ""
     asks = f"asks {', '.join(calls)}" if calls else ""
     usage = response.usage
@@ -265,7 +280,10 @@ def _resolution_summary(found: Resolution) -> str:
     return f"a person found it did not happen (it runs once more): {who}{why}"
 
 
-def _call(name: Any, args: Any) -> str:
+def call_text(name: Any, args: Any) -> str:
+    """``tool({...})``; a graph's interrupt says what it asks, not the journal's wrapping."""
+    if is_interrupt(name, args):
+        return f"the graph's interrupt() asks {inline_json(args['value'])}"
     return f"{name}({inline_json(args)})"
 
 

@@ -346,10 +346,15 @@ async def test_an_interrupt_is_an_approval_decided_from_the_cli_in_another_proce
     assert again.awaiting == ("m1.t1",)
     assert lines(ledger) == []
     shown = _cli("show", "r1", "--store", str(path))
-    assert "awaiting approval: m1.t1 interrupt(" in shown.stdout, shown.stdout
+    said = " ".join(shown.stdout.split())  # the terminal's width may wrap the line
+    asked = 'the graph\'s interrupt() asks {"refund":42, "to":"ana", "amount":"30 EUR"}'
+    assert f"awaiting approval: m1.t1 {asked}" in said, shown.stdout
+    assert '{"value"' not in shown.stdout  # the journal's wrapping is not shown
     extra = ["--reason", "over the limit"] if decision == "deny" else []
     decided = _cli(decision, "r1", "m1.t1", "--by", "ana", *extra, "--store", str(path))
     assert decided.returncode == 0, decided.stderr
+    assert "asked by     the graph's interrupt()" in decided.stdout, decided.stdout
+    assert '"amount": "30 EUR"' in decided.stdout
     done = await _run(graph, path)
     assert done.awaiting == ()
     said = _contents(done.output)

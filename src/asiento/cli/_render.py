@@ -17,7 +17,6 @@ from ..views import (
     Waiting,
     budget_text,
     clip,
-    inline_json,
     lease_holder,
     lease_text,
     money,
@@ -196,7 +195,7 @@ def _awaited(waiting: Sequence[Waiting], hint: str) -> list[RenderableType]:
     lines: list[RenderableType] = []
     for w in waiting:
         run = shlex.quote(w.run_id)
-        call = f"{w.tool}({inline_json(w.args)})"
+        call = w.call
         if w.kind == "approval":
             lines.append(
                 Text(f"awaiting approval: {w.step_id} {call}, fingerprint {w.fingerprint}")
