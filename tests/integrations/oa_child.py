@@ -2,12 +2,13 @@
 
 Run as a script by the crash tests (arm ``ASIENTO_CRASH_AT`` to have it kill itself):
 
-    python oa_child.py DB RUN_ID BASE_URL TOOL_LOG [idempotent]
+    python oa_child.py DB RUN_ID BASE_URL TOOL_LOG [idempotent] [spans=FILE]
 
 The agent is the SDK's own ``Agent`` with ``OpenAIChatCompletionsModel`` on the
 official ``AsyncOpenAI`` client; each real run of the ``refund`` tool appends a line
-to TOOL_LOG, so a test counts the effects across processes. The outcome is one
-JSON line on stdout.
+to TOOL_LOG, so a test counts the effects across processes. With ``spans=FILE`` the
+run is traced (``telemetry=``): each span one fsynced JSON line of FILE as it ends, so
+what a killed pass exported outlives it. The outcome is one JSON line on stdout.
 """
 
 from __future__ import annotations
@@ -65,7 +66,12 @@ async def main(db: str, run_id: str, base_url: str, tool_log: str, *flags: str) 
     idempotent = {"refund"} if "idempotent" in flags else set()
     try:
         result = await durable_run(
-            agent, TASK, run_id=run_id, store=store, idempotent_tools=idempotent
+            agent,
+            TASK,
+            run_id=run_id,
+            store=store,
+            idempotent_tools=idempotent,
+            telemetry=_telemetry(flags),
         )
     except UncertainEffect as exc:
         return {"ended": "uncertain", "step": exc.step_id}
@@ -73,6 +79,31 @@ async def main(db: str, run_id: str, base_url: str, tool_log: str, *flags: str) 
         await store.close()
         await client.close()
     return {"ended": "closed", "output": result.final_output, "replayed": result.replayed}
+
+
+def _telemetry(flags: tuple[str, ...]) -> Any:
+    """Tracing to the file a ``spans=FILE`` flag names, a JSON line per span (else None)."""
+    spans = next((f.removeprefix("spans=") for f in flags if f.startswith("spans=")), None)
+    if spans is None:
+        return None
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
+
+    from asiento import Telemetry
+    from asiento.testing._files import append_line
+
+    class Lines:
+        def export(self, batch: Any) -> SpanExportResult:
+            for span in batch:
+                append_line(spans, json.loads(span.to_json(indent=None)))
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self) -> None:
+            return None
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(Lines()))  # type: ignore[arg-type]
+    return Telemetry(tracer_provider=provider)
 
 
 if __name__ == "__main__":

@@ -28,8 +28,6 @@ from asiento import SqliteCheckpointer, Telemetry, approve
 from asiento.testing import ENV_VAR
 from providers.fake_servers import Answer, FakeProvider
 
-from .pydantic_ai_child import arguments, one_pass
-
 RUN = "refund-9"
 TASK = "refund order A1"
 LOOKUP = Answer(calls=(("lookup", {"order": "A1"}),))
@@ -211,6 +209,7 @@ async def test_pydantic_ais_own_spans_nest_under_the_pass_and_are_the_step_spans
     ids = (first.context.span_id, second.context.span_id)
     assert Counter(parents) == {ids[0]: 1, ids[1]: 2}  # the pass after the approval: 2 runs
     assert (_counts(first), _counts(second)) == ((2, 1, 0, 0), (1, 1, 2, 1))
+    _carried(provider, [s for s in theirs if _attrs(s).get("gen_ai.operation.name") == "chat"])
 
 
 # -- OpenAI Agents SDK ------------------------------------------------------------------------
@@ -273,69 +272,91 @@ async def test_an_agents_sdk_run_is_one_trace_with_a_span_per_paid_step(
 
 
 # -- a pass killed with SIGKILL ---------------------------------------------------------------
-
-CHILD = Path(__file__).with_name("pydantic_ai_child.py")
-
-
-def _pass_argv(tmp_path: Path, provider: FakeProvider) -> list[str]:
-    """The command line of one traced pass of ``pydantic_ai_child.py``'s run."""
-    argv = [str(tmp_path / "runs.db"), RUN, provider.openai_url, str(tmp_path / "effects.log")]
-    return [*argv, "--spans", str(tmp_path / "spans.jsonl")]
+#
+# The first pass runs in a new interpreter and is killed with SIGKILL once its tool's result
+# is recorded; the run is resumed in another process: this one, not to pay for a second
+# interpreter's imports. Each process's spans are fsynced JSON lines of one file.
 
 
-def _killed_pass(tmp_path: Path, provider: FakeProvider, crash: str) -> None:
-    """One traced pass in a new interpreter, killed with SIGKILL at ``crash``."""
-    argv = [sys.executable, str(CHILD), *_pass_argv(tmp_path, provider)]
+def _killed_pass(child: str, argv: list[str], crash: str) -> None:
+    """One traced pass of ``child`` (a script beside this file) in a new interpreter,
+    killed with SIGKILL at ``crash``."""
+    script = Path(__file__).with_name(child)
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR} | {ENV_VAR: crash}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, str(script), *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == -signal.SIGKILL, done.stderr
 
 
-async def test_a_pydantic_ai_pass_killed_and_resumed_elsewhere_is_one_trace(
-    tmp_path: Path,
-) -> None:
-    """Killed with SIGKILL once ``refund``'s result was recorded, resumed in another process
-    (this one, not to pay for a second interpreter's imports):
-    one trace; the killed pass's stand-in (it never ended its span) linked before the pass
-    that closed the run; a ``chat`` span per generation billed and an ``execute_tool`` span
-    per refund applied, none for what the second pass replayed."""
+def _check_killed_run(spans: Path, billed: int, applied: int) -> None:
+    """One trace, no orphan; the killed pass's stand-in (it never ended its span) linked
+    before the pass that closed the run; a ``chat`` span per generation billed and an
+    ``execute_tool`` span per effect applied, none for what the second pass replayed."""
     from asiento.testing._files import read_lines
 
-    with FakeProvider((REFUND, DONE)) as provider:
-        _killed_pass(tmp_path, provider, "after_result")
-        resumed = await one_pass(arguments(_pass_argv(tmp_path, provider)))  # this process
-    assert resumed["ended"] == "closed"
-    found: list[dict[str, Any]] = read_lines(tmp_path / "spans.jsonl")
+    found: list[dict[str, Any]] = read_lines(spans)
     assert len({s["context"]["trace_id"] for s in found}) == 1
     by_id = {s["context"]["span_id"]: s for s in found}
-    assert all(s["parent_id"] is None or s["parent_id"] in by_id for s in found)  # no orphans
+    assert all(s["parent_id"] is None or s["parent_id"] in by_id for s in found)
     passes = sorted(
         (s for s in found if "asiento.pass.fence" in s["attributes"]),
         key=lambda s: s["attributes"]["asiento.pass.fence"],
     )
     dead, resumed = (s["attributes"] for s in passes)
     assert (dead["asiento.pass.died"], resumed["asiento.pass.cause"]) == (True, "taken_over")
-    assert [link["context"]["span_id"] for link in passes[1]["links"]] == [
-        passes[0]["context"]["span_id"]
-    ]
-    assert (resumed["asiento.replayed.model_calls"], resumed["asiento.replayed.tool_calls"]) == (
-        1,
-        1,
-    )
+    linked = [link["context"]["span_id"] for link in passes[1]["links"]]
+    assert linked == [passes[0]["context"]["span_id"]]
+    replayed = (resumed["asiento.replayed.model_calls"], resumed["asiento.replayed.tool_calls"])
+    assert replayed == (1, 1)
 
     def steps(operation: str) -> list[tuple[int, str]]:
+        """(the fence of the pass it is under, its step) of each span of ``operation``."""
         return [
-            (
-                by_id[s["parent_id"]]["attributes"]["asiento.pass.fence"],
-                s["attributes"]["asiento.step.id"],
-            )
+            (by_id[s["parent_id"]]["attributes"]["asiento.pass.fence"], attrs["asiento.step.id"])
             for s in found
-            if s["attributes"].get("gen_ai.operation.name") == operation
-            and "asiento.step.id" in s["attributes"]
+            if (attrs := s["attributes"]).get("gen_ai.operation.name") == operation
         ]
 
     assert steps("chat") == [(1, "m1"), (2, "m2")]
-    assert provider.billed() == 2
-    applied = (tmp_path / "effects.log").read_text().split()
-    assert applied == ["A1"]
+    assert billed == 2
     assert steps("execute_tool") == [(1, "m1.t1")]
+    assert applied == 1
+
+
+async def test_a_pydantic_ai_pass_killed_and_resumed_elsewhere_is_one_trace(
+    tmp_path: Path,
+) -> None:
+    """Pydantic AI, killed after ``refund``'s result: the run is one whole trace."""
+    from .pydantic_ai_child import arguments, one_pass
+
+    with FakeProvider((REFUND, DONE)) as provider:
+        argv = [str(tmp_path / "runs.db"), RUN, provider.openai_url, str(tmp_path / "effects")]
+        argv += ["--spans", str(tmp_path / "spans.jsonl")]
+        _killed_pass("pydantic_ai_child.py", argv, "after_result")
+        resumed = await one_pass(arguments(argv))
+    assert resumed["ended"] == "closed"
+    applied = (tmp_path / "effects").read_text().split()
+    _check_killed_run(tmp_path / "spans.jsonl", provider.billed(), len(applied))
+
+
+async def test_an_agents_sdk_pass_killed_and_resumed_elsewhere_is_one_trace(
+    tmp_path: Path,
+) -> None:
+    """The Agents SDK, killed after ``refund``'s result: the run is one whole trace."""
+    from .oa_child import main
+
+    refund = Answer(calls=(("refund", {"order": 42, "amount": 9.5}),))
+    with FakeProvider((refund, DONE)) as provider:
+        argv = [str(tmp_path / "runs.db"), RUN, provider.openai_url, str(tmp_path / "effects")]
+        argv.append(f"spans={tmp_path / 'spans.jsonl'}")
+        _killed_pass("oa_child.py", argv, "after_result")
+        resumed = await main(*argv)
+    assert resumed["ended"] == "closed"
+    applied = (tmp_path / "effects").read_text().splitlines()
+    _check_killed_run(tmp_path / "spans.jsonl", provider.billed(), len(applied))

@@ -121,7 +121,8 @@ class Pass(HeldCommits):
             with trace.generating(
                 step_id, *_model_names(model), lambda: (dump_messages(messages), None)
             ):
-                keyed["extra_headers"] = headers | tracing.step_traceparent()
+                carried = tracing.step_traceparent() or self.trace.framework_traceparent()
+                keyed["extra_headers"] = headers | carried
                 response = await ask(ModelSettings(**keyed))  # type: ignore[typeddict-item]
                 crash_point("inside_model_call")
                 self.stats.model_calls += 1

@@ -129,6 +129,10 @@ def step_traceparent() -> dict[str, str]:
     span = _STEP.get()
     if span is None:
         return {}
+    return _traceparent(span)
+
+
+def _traceparent(span: Span) -> dict[str, str]:
     context = span.get_span_context()
     headers = {
         "traceparent": f"00-{context.trace_id:032x}-{context.span_id:016x}-"
@@ -588,6 +592,13 @@ class PassTrace:
         current = trace.get_current_span()
         return current is not self.span and current.is_recording()
 
+    def framework_traceparent(self) -> dict[str, str]:
+        """The W3C trace headers of the framework's span of the step (``framework_spans``),
+        for the request the step sends; empty without one."""
+        from opentelemetry import trace
+
+        return _traceparent(trace.get_current_span()) if self.framework_spans() else {}
+
     # plumbing
 
     def _parent(self) -> Context | None:
@@ -683,6 +694,9 @@ class Off:
 
     def framework_spans(self) -> bool:
         return False
+
+    def framework_traceparent(self) -> dict[str, str]:
+        return {}
 
 
 OFF: Final = Off()
