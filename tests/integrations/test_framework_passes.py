@@ -360,3 +360,35 @@ async def test_an_agents_sdk_pass_killed_and_resumed_elsewhere_is_one_trace(
     assert resumed["ended"] == "closed"
     applied = (tmp_path / "effects").read_text().splitlines()
     _check_killed_run(tmp_path / "spans.jsonl", provider.billed(), len(applied))
+
+
+async def test_a_framework_run_started_under_a_callers_span_joins_its_trace(
+    tmp_path: Path, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    """A run started inside a span of the caller's (a web request) is in that trace, its
+    run span the request's child, as a native run's is."""
+    import openai
+    from agents import Agent, OpenAIChatCompletionsModel
+
+    from asiento.integrations.openai_agents import durable_run
+
+    tracers, exporter = spans
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    with FakeProvider((DONE,)) as provider:
+        async with openai.AsyncOpenAI(
+            base_url=provider.openai_url, api_key="sk-t", max_retries=0
+        ) as client:
+            model = OpenAIChatCompletionsModel(model="gpt-test", openai_client=client)
+            agent = Agent(name="refunds", model=model)
+            with tracers.get_tracer("web").start_as_current_span("POST /runs") as request:
+                try:
+                    await durable_run(
+                        agent, TASK, run_id=RUN, store=store, telemetry=Telemetry(tracers)
+                    )
+                finally:
+                    await store.close()
+    found = exporter.get_finished_spans()
+    assert {s.context.trace_id for s in found} == {request.get_span_context().trace_id}
+    [run_span] = [s for s in _asiento(found, "invoke_agent") if s not in _passes(found)]
+    assert run_span.parent is not None
+    assert run_span.parent.span_id == request.get_span_context().span_id
