@@ -204,6 +204,12 @@ async def test_pydantic_ais_own_spans_nest_under_the_pass_and_are_the_step_spans
     assert kinds["chat"] == provider.billed() == 3
     tools = [_attrs(s)["gen_ai.tool.name"] for s in theirs if s.name.startswith("execute_tool")]
     assert Counter(tools) == ran == {"lookup": 1, "refund": 1}
+    steps = [
+        _attrs(s).get("asiento.step.id")
+        for s in theirs
+        if _attrs(s).get("gen_ai.tool.name") or s.name.startswith("chat")
+    ]
+    assert steps == ["m1", "m1.t1", "m2", "m2.t1", "m3"]  # they stand for asiento's steps
     runs = [s for s in theirs if s.name.startswith("invoke_agent") or s.name == "agent run"]
     parents = [s.parent.span_id if s.parent else None for s in runs]
     ids = (first.context.span_id, second.context.span_id)

@@ -117,7 +117,7 @@ class Pass(HeldCommits):
             key = model_key(self.run_id, step_id, fp)
             keyed: dict[str, Any] = dict(settings or {})
             headers = dict(keyed.get("extra_headers") or {}) | key_header(key)
-            trace = self._step_trace()
+            trace = self._step_trace(step_id)
             with trace.generating(
                 step_id, *_model_names(model), lambda: (dump_messages(messages), None)
             ):
@@ -138,10 +138,10 @@ class Pass(HeldCommits):
             self.tool_args[call_id] = args
         return response
 
-    def _step_trace(self) -> tracing.PassTrace | tracing.Off:
+    def _step_trace(self, step_id: str) -> tracing.PassTrace | tracing.Off:
         """The trace a step's own span goes to: none when Pydantic AI's instrumentation has
         its span of the step open already (its ``chat`` or ``execute_tool``: the step's)."""
-        return tracing.OFF if self.trace.framework_spans() else self.trace
+        return tracing.OFF if self.trace.framework_step(step_id) else self.trace
 
     def _replayed(
         self, step_id: str, fp: str, recorded: StepEvent, parameters: ModelRequestParameters
@@ -411,7 +411,7 @@ class Pass(HeldCommits):
         self, step: _Running, run: Callable[[], Awaitable[Any]], mcp: Any = None
     ) -> Any:
         unit(executed=True)  # the tool is called: its span is reported, however it ends
-        trace = self._step_trace()
+        trace = self._step_trace(step.step_id)
         args = self.tool_args.get(step.call_id, {})
         attempt_id, name = step.attempt_id, step.name
         retry: ModelRetry | None = None

@@ -583,21 +583,28 @@ class PassTrace:
         finally:
             otel_context.detach(token)
 
-    def framework_spans(self) -> bool:
-        """Whether a span other than the pass's is current: the framework's own span of the
-        step (its instrumentation, opened before asiento's model or tool is reached), which
-        is then the step's span; asiento adds none of its own, not to count the step twice."""
+    def framework_step(self, step_id: str) -> bool:
+        """Whether the framework's own span of step ``step_id`` is current (its
+        instrumentation opened it before asiento's model or tool was reached: a recording
+        span that is not the pass's). It is then the step's span: it gets the step's ids
+        (``asiento.run.id``, ``asiento.step.id``) and asiento adds no span of its own for
+        the step, not to count it twice."""
+        span = self._framework_span()
+        if span is not None:
+            span.set_attributes({"asiento.run.id": self.run_id, "asiento.step.id": step_id})
+        return span is not None
+
+    def framework_traceparent(self) -> dict[str, str]:
+        """The W3C trace headers of the framework's span of the step (``framework_step``),
+        for the request the step sends; empty without one."""
+        span = self._framework_span()
+        return {} if span is None else _traceparent(span)
+
+    def _framework_span(self) -> Span | None:
         from opentelemetry import trace
 
         current = trace.get_current_span()
-        return current is not self.span and current.is_recording()
-
-    def framework_traceparent(self) -> dict[str, str]:
-        """The W3C trace headers of the framework's span of the step (``framework_spans``),
-        for the request the step sends; empty without one."""
-        from opentelemetry import trace
-
-        return _traceparent(trace.get_current_span()) if self.framework_spans() else {}
+        return current if current is not self.span and current.is_recording() else None
 
     # plumbing
 
@@ -692,7 +699,7 @@ class Off:
     def current(self) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
 
-    def framework_spans(self) -> bool:
+    def framework_step(self, step_id: str) -> bool:
         return False
 
     def framework_traceparent(self) -> dict[str, str]:
