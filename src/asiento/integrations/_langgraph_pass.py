@@ -3,10 +3,11 @@ tool call inside it, wherever a node makes it, is a journaled step.
 
 The graph runs as written. While a pass drives it, ``BaseChatModel.agenerate`` /
 ``generate`` and ``BaseTool.arun`` / ``run`` (what ``ainvoke``, ``invoke`` and
-``ToolNode`` reach) ask this pass first: a recorded answer or outcome is handed
-back and nothing is asked or run again; a new one is asked with asiento's
-idempotency key and recorded before the graph goes on. Outside a pass the
-patched methods are LangChain's own, untouched.
+``ToolNode`` reach; a plain ``@tool`` function's ``ainvoke`` goes through ``arun`` on
+the loop, not to a thread that would come back to it) ask this pass first: a recorded
+answer or outcome is handed back and nothing is asked or run again; a new one is
+asked with asiento's idempotency key and recorded before the graph goes on. Outside
+a pass the patched methods are LangChain's own, untouched.
 
 Model steps are numbered in the order the graph asks them (``m1``, ``m2``...); a
 tool call the model asked for is ``m{n}.t{k}`` by its place in the answer, a tool
@@ -22,7 +23,7 @@ import contextvars
 import json
 import logging
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -31,7 +32,7 @@ from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.load import dumpd, load
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, LLMResult
-from langchain_core.tools import BaseTool, ToolException
+from langchain_core.tools import BaseTool, StructuredTool, Tool, ToolException
 
 from .. import step_ids
 from .._canonical import fingerprint, key_header, model_key
@@ -46,6 +47,7 @@ from ..policy import Policy, ask_policy
 from ..replay import Action, Indexed, StepState, check_approval, decide, index, step_state
 from ..session import RunStats
 from ._commits import HeldCommits
+from ._langgraph_digests import Digests, jsonable, request_fingerprint
 
 log = logging.getLogger("asiento")
 
@@ -56,8 +58,6 @@ _ACTIVE: contextvars.ContextVar[GraphPass | None] = contextvars.ContextVar(
 # Providers whose chat models send ``extra_headers`` with the request (the key reaches
 # ``asiento gateway``); others are asked without it.
 _HEADERS_BY = ("langchain_openai", "langchain_anthropic")
-# Invocation parameters that say how a request travels or who traces it, not what it asks.
-_TRANSPORT = frozenset({"extra_headers", "timeout", "request_timeout", "max_retries", "stream"})
 
 
 _TRACING = ("tags", "metadata", "run_name", "run_id")  # who traces a call, not what it asks
@@ -111,7 +111,7 @@ class GraphPass(HeldCommits):
         super().__init__(run_id, store, lease, journal)
         self.idempotent, self.graph_digest, self.stats = idempotent, graph_digest, stats
         self.policy = policy
-        self.digests: dict[Any, Any] = {}  # request_fingerprint's, for this pass
+        self.digests = Digests()  # what request_fingerprint hashed, for this pass
         self.turns = 0
         self.calls: dict[str, str] = {}  # a tool call's id -> its step id
         self.direct: dict[str, int] = {}  # a model step -> tool steps numbered after its calls
@@ -178,6 +178,8 @@ class GraphPass(HeldCommits):
             self._count(generations)
             tools = {"graph": self.graph_digest} if step_id == step_ids.model(1) else None
             payload = model_payload(fp, generations, tools)
+            if generations:  # the answer the next prompt holds: dumped once, not again
+                self.digests.seed(generations[0].message, payload[FRAMEWORK_KEY][0]["message"])
             self.hold(self.event(step_id, Phase.RESULT, payload))
         self._note_calls(step_id, generations)
         return generations, output
@@ -323,11 +325,14 @@ class GraphPass(HeldCommits):
         crash_point("after_tool")
         self.stats.tool_calls += 1
         try:
-            outcome = bounded(_stored(output, tool.name))
+            stored = _stored(output, tool.name)
         except UsageError as exc:  # it ran: its step is failed, never run again blindly
             failed = Outcome.failed(str(exc)).to_json()
             await self.append(self.event(attempt_id, Phase.RESULT, failed))
             raise
+        if isinstance(output, BaseMessage):  # the ToolMessage the next prompt holds
+            self.digests.seed(output, stored[FRAMEWORK_KEY])
+        outcome = bounded(stored)
         await self.append(self.event(attempt_id, Phase.RESULT, outcome.to_json()))
         crash_point("after_result")
         return output if outcome.status == "ok" else _fed(outcome, tool.name, tool_call_id)
@@ -360,7 +365,7 @@ class GraphPass(HeldCommits):
                 f"run {self.run_id!r}: {len(interrupts)} interrupts at once (parallel nodes): "
                 "their order is not deterministic; interrupt from one node at a time"
             )
-        asked = {"value": _jsonable(interrupts[0].value)}
+        asked = {"value": jsonable(interrupts[0].value)}
         fp = fingerprint(asked)[:32]
         step_id = self.tool_step_id(None)
         records = self.journal.get(step_id, {})
@@ -398,77 +403,6 @@ class GraphPass(HeldCommits):
 
 
 # -- records ---------------------------------------------------------------------------
-
-
-def request_fingerprint(
-    model: BaseChatModel,
-    prompt: Sequence[BaseMessage],
-    stop: list[str] | None,
-    kwargs: Mapping[str, Any],
-    digests: dict[Any, Any] | None = None,
-) -> str:
-    """What the step asks the model, hashed: each message (without the id LangGraph gives
-    it), the model's invocation parameters (model name, settings, bound tools), stop.
-
-    ``digests`` keeps for the pass each message's digest (by the message object, which
-    LangGraph's state hands on unchanged from step to step) and the parameters' (by the
-    model and its bound arguments, the same objects at each call of a bound model), so a
-    step hashes only what is new, not the whole conversation and every tool again.
-    """
-    asked = {
-        "messages": [_message_digest(m, digests) for m in prompt],
-        "params": _params_digest(model, stop, kwargs, digests),
-    }
-    return fingerprint(asked)
-
-
-def _params_digest(
-    model: BaseChatModel,
-    stop: list[str] | None,
-    kwargs: Mapping[str, Any],
-    digests: dict[Any, Any] | None,
-) -> str:
-    held = (model, tuple(stop or ()), tuple(kwargs.items()))
-    key = ("params", id(model), held[1], tuple((k, id(v)) for k, v in kwargs.items()))
-    known = None if digests is None else digests.get(key)
-    if known is not None and known[0][0] is model:
-        return str(known[1])
-    params = model._get_invocation_params(stop=stop, **dict(kwargs))
-    kept = {k: v for k, v in params.items() if k not in _TRANSPORT}
-    digest = fingerprint(_jsonable(kept))
-    if digests is not None:
-        digests[key] = (held, digest)  # the objects kept: their ids are not reused
-    return digest
-
-
-def _message_digest(
-    message: BaseMessage, digests: dict[int, tuple[BaseMessage, str]] | None
-) -> str:
-    known = None if digests is None else digests.get(id(message))
-    if known is not None and known[0] is message:
-        return str(known[1])
-    digest = fingerprint(_jsonable(_without_ids(dumpd(message))))
-    if digests is not None:
-        digests[id(message)] = (message, digest)  # the object kept: its id is not reused
-    return digest
-
-
-def _without_ids(dumped: Any) -> Any:
-    if isinstance(dumped, dict):
-        kwargs = dumped.get("kwargs")
-        if isinstance(kwargs, dict):
-            return dumped | {"kwargs": {k: v for k, v in kwargs.items() if k != "id"}}
-    return dumped
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, str | int | float | bool):
-        return value
-    return repr(value)
 
 
 def model_payload(
@@ -572,6 +506,8 @@ _ORIGINAL_AGENERATE = BaseChatModel.agenerate
 _ORIGINAL_GENERATE = BaseChatModel.generate
 _ORIGINAL_ARUN = BaseTool.arun
 _ORIGINAL_RUN = BaseTool.run
+_ORIGINAL_STRUCTURED_AINVOKE = StructuredTool.ainvoke
+_ORIGINAL_TOOL_AINVOKE = Tool.ainvoke
 _ORIGINAL_ASTREAM = BaseChatModel.astream
 _ORIGINAL_STREAM = BaseChatModel.stream
 _STREAMS = (
@@ -633,6 +569,21 @@ def _run(self: BaseTool, tool_input: Any, *args: Any, **kwargs: Any) -> Any:
     return run.call_soon(run.tool_step(self, tool_input, kwargs.get("tool_call_id"), execute))
 
 
+def _on_the_loop(original: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """``ainvoke`` of a tool without a coroutine (a plain ``@tool`` function), as a pass
+    wants it: through ``arun`` on the event loop, whose ``_arun`` runs the function on a
+    worker thread. LangChain's own sends ``invoke`` to a thread, whose patched ``run``
+    would come back to the loop to journal the call and leave it again to run the
+    function: three round trips between threads a call, not one."""
+
+    async def ainvoke(self: Any, input: Any, config: Any = None, **kwargs: Any) -> Any:
+        if not self.coroutine and _ACTIVE.get() is not None:
+            return await BaseTool.ainvoke(self, input, config, **kwargs)
+        return await original(self, input, config, **kwargs)
+
+    return ainvoke
+
+
 @contextlib.contextmanager
 def _outside(run: GraphPass) -> Iterator[None]:
     token = _ACTIVE.set(None)
@@ -662,3 +613,5 @@ def install() -> None:
     BaseChatModel.stream = _stream  # type: ignore[method-assign]
     BaseTool.arun = _arun  # type: ignore[method-assign]
     BaseTool.run = _run  # type: ignore[method-assign]
+    StructuredTool.ainvoke = _on_the_loop(_ORIGINAL_STRUCTURED_AINVOKE)  # type: ignore[method-assign, assignment]
+    Tool.ainvoke = _on_the_loop(_ORIGINAL_TOOL_AINVOKE)  # type: ignore[method-assign, assignment]
