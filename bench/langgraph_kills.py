@@ -34,7 +34,8 @@ writes, between super-steps).
    graph (``graph.ainvoke``, no checkpointer), LangGraph with ``AsyncSqliteSaver``
    (``durability="sync"``) and asiento's ``durable_run`` (SQLite, fsync on), in
    alternating order; medians of ``--reps`` runs, ms per model+tool step and the
-   difference against the bare graph (issue #25's target: under 2 ms for asiento).
+   difference against the bare graph (issue #25's target: under 2 ms for asiento);
+   then the journal appends of one more asiento run (each a transaction: an fsync).
 
 Figures, never pass/fail. ``--quick`` is the smoke run: 5 kills, fewer steps and reps.
 """
@@ -367,7 +368,20 @@ def _instant_model(steps: int) -> Any:
     return ScriptedChat(script=[*turns, ("done", [])])
 
 
-async def _overhead(steps: int, reps: int, folder: Path) -> dict[str, list[float]]:
+def _counted(store: Any) -> list[int]:
+    """Count ``store``'s appends (each one transaction, so one fsync with durability='full')."""
+    count = [0]
+    append = store.append
+
+    async def counted(*events: Any, **kwargs: Any) -> None:
+        count[0] += 1
+        await append(*events, **kwargs)
+
+    store.append = counted
+    return count
+
+
+async def _overhead(steps: int, reps: int, folder: Path) -> tuple[dict[str, list[float]], int]:
     from langchain_core.tools import tool
     from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 
@@ -424,13 +438,16 @@ async def _overhead(steps: int, reps: int, folder: Path) -> dict[str, list[float
                     times[mode].append(time.perf_counter() - start)
                     if output["messages"][-1].content != "done":
                         raise SystemExit(f"{mode} run {n} did not end with 'done'")
+            appends = _counted(store)
+            await durable(reps)  # one run more, its journal appends counted
         finally:
             await store.close()
             await light.close()
-    return times
+    return times, appends[0]
 
 
-def _print_overhead(times: dict[str, list[float]], steps: int) -> None:
+def _print_overhead(measured: tuple[dict[str, list[float]], int], steps: int) -> None:
+    times, appends = measured
     base = statistics.median(times["bare graph"]) * 1000 / steps
     print(f"\noverhead, {steps} model+tool steps a run, an instant model (medians)")
     print(f"{'mode':<18}{'reps':>6}{'ms/run':>10}{'ms/step':>10}{'x bare':>9}{'ms/step over':>14}")
@@ -444,6 +461,9 @@ def _print_overhead(times: dict[str, list[float]], steps: int) -> None:
         "(asiento: SQLite fsynced at each commit; asiento-process: durability='process', no\n"
         " fsync; langgraph-sqlite: AsyncSqliteSaver, durability='sync'. Issue #25's target:\n"
         " asiento under 2 ms per model+tool step over the bare graph)"
+    )
+    print(
+        f"asiento's journal appends (transactions) a run: {appends}, {appends / steps:.2f} a step"
     )
 
 
