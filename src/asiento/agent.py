@@ -28,7 +28,6 @@ from .errors import (
     LeaseLost,
     MaxTurnsExceeded,
     ReplayDivergence,
-    RunAbandoned,
     ToolUnavailable,
     UncertainEffect,
     UsageError,
@@ -46,7 +45,6 @@ from .events import (
     StepEvent,
     ToolStep,
 )
-from .journal.base import Checkpointer
 from .ledger import cost_of
 from .model import (
     ConversationPrefix,
@@ -69,7 +67,7 @@ from .payloads import (
 )
 from .policy import Policy, allow_all, ask_policy
 from .replay import Action, Records, StepState, decide, index, step_state, tool_drift
-from .session import Session
+from .session import Session, abandonment
 from .streaming import (
     Delta,
     StreamEvent,
@@ -245,7 +243,7 @@ class _Pass:
                     await self._keep_what_happened()
                     await self.trace.close(status, error, self.store, lease)
         except LeaseLost as exc:
-            abandoned = await _abandonment(self.store, self.run_id, self.unrecorded)
+            abandoned = await abandonment(self.store, self.run_id, self.unrecorded)
             if abandoned is None:
                 raise
             raise abandoned from exc
@@ -880,23 +878,6 @@ def _status_of(exc: BaseException) -> str:
     if isinstance(exc, LeaseLost):
         return "lease_lost"
     return "failed"
-
-
-async def _abandonment(
-    store: Checkpointer, run_id: str, unrecorded: Sequence[StepEvent]
-) -> RunAbandoned | None:
-    """The error for a lease lost to a person who abandoned the run, if that is what
-    happened (abandoning takes the run's fence); ``unrecorded``: what the pass lost."""
-    try:
-        final = await store.final(run_id)
-    except AsientoError:
-        return None
-    closed = None if final is None else Final.from_json(final.payload)
-    if closed is None or not closed.abandoned:
-        return None
-    lost = {e.step_id for e in unrecorded if e.phase is Phase.RESULT}
-    text = closed.text or "abandoned"
-    return RunAbandoned(run_id, text, tuple(sorted(lost - {step_ids.FINAL})))
 
 
 def _awaiting_approval(run_id: str, step_id: str, call: ToolCall, frozen: Intent) -> list[Step]:

@@ -6,16 +6,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from . import lease as lease_state
-from .errors import AsientoError, LeaseLost, RunClosed, RunLocked, UncertainEffect, UsageError
-from .events import Lease, RunStatus, Savings
+from . import step_ids
+from .errors import (
+    AsientoError,
+    LeaseLost,
+    RunAbandoned,
+    RunClosed,
+    RunLocked,
+    UncertainEffect,
+    UsageError,
+)
+from .events import Lease, Phase, RunStatus, Savings, StepEvent
 from .journal.base import Checkpointer, check_id
 from .lease import Holder
 from .ledger import PriceTable
 from .model import Gateway
+from .payloads import Final
 from .shutdown import ShutdownRequested
 from .shutdown import requested as shutdown_requested
 from .telemetry import metrics
@@ -242,3 +252,20 @@ async def give_back(store: Checkpointer, lease: Lease, exc: Exception) -> bool:
             await store.release(lease, clean=False)
         except AsientoError as released:
             log.warning("run %r: could not release the lease: %s", lease.run_id, released)
+
+
+async def abandonment(
+    store: Checkpointer, run_id: str, unrecorded: Sequence[StepEvent] = ()
+) -> RunAbandoned | None:
+    """The error for a lease lost to a person who abandoned the run, if that is what
+    happened (abandoning takes the run's fence); ``unrecorded``: what the pass lost."""
+    try:
+        final = await store.final(run_id)
+    except AsientoError:
+        return None
+    closed = None if final is None else Final.from_json(final.payload)
+    if closed is None or not closed.abandoned:
+        return None
+    lost = {e.step_id for e in unrecorded if e.phase is Phase.RESULT}
+    text = closed.text or "abandoned"
+    return RunAbandoned(run_id, text, tuple(sorted(lost - {step_ids.FINAL})))

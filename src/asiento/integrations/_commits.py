@@ -16,10 +16,11 @@ from typing import Any
 
 from .. import step_ids
 from .._crash import crash_point
-from ..errors import AsientoError
+from ..errors import AsientoError, LeaseLost, RunAbandoned
 from ..events import Decision, Lease, Phase, RunStatus, StepEvent
 from ..journal.base import Checkpointer
 from ..replay import Indexed
+from ..session import abandonment
 
 log = logging.getLogger("asiento")
 
@@ -51,7 +52,15 @@ class HeldCommits:
                 await self.store.set_status(self.run_id, status, lease=self.lease)
             return
         async with self.writing:
-            await self.store.append(*batch, status=status, lease=self.lease)
+            try:
+                await self.store.append(*batch, status=status, lease=self.lease)
+            except RunAbandoned:
+                raise
+            except LeaseLost as lost:  # abandoned: say which outcomes this pass could not keep
+                abandoned = await abandonment(self.store, self.run_id, batch)
+                if abandoned is None:
+                    raise
+                raise abandoned from lost
         for event in batch:
             self.journal.setdefault(event.step_id, {})[event.phase] = event
         if any(e.phase is Phase.RESULT and step_ids.is_model(e.step_id) for e in batch):

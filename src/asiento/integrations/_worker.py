@@ -15,11 +15,12 @@ from pydantic_core import to_jsonable_python
 
 from .. import step_ids
 from .._canonical import canonical_json
-from ..errors import AsientoError, RunAbandoned
+from ..errors import LeaseLost, RunAbandoned
 from ..events import ApprovalStep, FinalStep, Phase, Step
 from ..model import ToolCall
-from ..payloads import Final, Intent
+from ..payloads import Intent
 from ..session import Session
+from ..session import abandonment as session_abandonment
 
 
 async def pass_end(
@@ -55,14 +56,14 @@ def shown(output: Any) -> str:
     return output if isinstance(output, str) else canonical_json(to_jsonable_python(output))
 
 
-async def abandonment(session: Session) -> RunAbandoned | None:
-    """The error for a lease lost to a person who abandoned the run, if that is what
-    happened (abandoning takes the run's fence)."""
-    try:
-        final = await session.store.final(session.run_id)
-    except AsientoError:
-        return None
-    closed = None if final is None else Final.from_json(final.payload)
-    if closed is None or not closed.abandoned:
-        return None
-    return RunAbandoned(session.run_id, closed.text or "abandoned")
+async def abandonment(session: Session, lost: LeaseLost) -> LeaseLost:
+    """What to raise for a lease a framework's pass lost: ``RunAbandoned`` when a person
+    abandoned the run (abandoning takes the run's fence), else ``lost`` itself. A pass
+    whose commit was refused raised ``RunAbandoned`` already, naming what it lost."""
+    if isinstance(lost, RunAbandoned):
+        return lost
+    abandoned = await session_abandonment(session.store, session.run_id)
+    if abandoned is None:
+        return lost
+    abandoned.__cause__ = lost
+    return abandoned

@@ -254,10 +254,7 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
             )
             await _show_state(graph, memory, run_id, ended="closed")
     except LeaseLost as exc:
-        abandoned = await abandonment(session)
-        if abandoned is None:
-            raise
-        raise abandoned from exc
+        raise await abandonment(session, exc)  # noqa: B904 (the error itself, or its cause set)
     return DurableResult(run_id=run_id, output=state, replayed=False, stats=session.stats)
 
 

@@ -172,10 +172,7 @@ async def _drive(
                     traced.status = "awaiting_approval"
                 return ended
     except LeaseLost as exc:
-        abandoned = await abandonment(session)
-        if abandoned is None:
-            raise
-        raise abandoned from exc
+        raise await abandonment(session, exc)  # noqa: B904 (the error itself, or its cause set)
 
 
 async def _runs(
