@@ -1,11 +1,12 @@
 """asiento's own traces of framework runs (``durable_run(..., telemetry=...)``), read with the
 real OpenTelemetry SDK and an in-memory exporter: the same shape as a native run's.
 
-A run that calls ``lookup`` and then ``refund`` (which needs a person's approval: the first
-pass stops there), resumed after the approval in a second pass, is ONE trace: two
-``invoke_agent`` pass spans, the second linked to the first; one ``chat`` span per
-generation paid (``FakeProvider`` counts them by key) and one ``execute_tool`` span per
-tool that ran (each tool counts its own runs), none for what the second pass replayed.
+A run that calls ``lookup`` twice (two calls of one answer, run side by side) and then
+``refund`` (which needs a person's approval: the first pass stops there), resumed after
+the approval in a second pass, is ONE trace: two ``invoke_agent`` pass spans, the second
+linked to the first; one ``chat`` span per generation paid (``FakeProvider`` counts them
+by key) and one ``execute_tool`` span per tool that ran (each tool counts its own runs),
+none for what the second pass replayed.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from providers.fake_servers import Answer, FakeProvider
 
 RUN = "refund-9"
 TASK = "refund order A1"
-LOOKUP = Answer(calls=(("lookup", {"order": "A1"}),))
+LOOKUPS = Answer(calls=(("lookup", {"order": "A1"}), ("lookup", {"order": "B2"})))  # side by side
 REFUND = Answer(calls=(("refund", {"order": "A1"}),))
 DONE = Answer(text="refunded A1")
 
@@ -86,11 +87,11 @@ def _check_passes(found: tuple[ReadableSpan, ...], name: str) -> tuple[ReadableS
 
 
 def _steps_under(span: ReadableSpan, steps: list[ReadableSpan]) -> list[str]:
-    return [
+    return sorted(
         _attrs(s)["asiento.step.id"]
         for s in steps
         if s.parent is not None and s.parent.span_id == span.context.span_id
-    ]
+    )
 
 
 def _counts(span: ReadableSpan) -> tuple[int, ...]:
@@ -169,7 +170,7 @@ async def test_a_pydantic_ai_run_is_one_trace_with_a_span_per_paid_step(
     """Pydantic AI's instrumentation off: asiento's pass spans, and its ``chat`` and
     ``execute_tool`` spans for what each pass paid for or ran, none for what it replayed."""
     tracers, exporter = spans
-    with FakeProvider((LOOKUP, REFUND, DONE)) as provider:
+    with FakeProvider((LOOKUPS, REFUND, DONE)) as provider:
         ran = await _pydantic_run(tmp_path, provider, tracers, instrument=False)
     found = exporter.get_finished_spans()
     first, second = _check_passes(found, "refunds")
@@ -177,13 +178,16 @@ async def test_a_pydantic_ai_run_is_one_trace_with_a_span_per_paid_step(
     assert len(chats) == provider.billed() == 3
     assert (_steps_under(first, chats), _steps_under(second, chats)) == (["m1", "m2"], ["m3"])
     assert (
-        Counter(_attrs(s)["gen_ai.tool.name"] for s in tools) == ran == {"lookup": 1, "refund": 1}
+        Counter(_attrs(s)["gen_ai.tool.name"] for s in tools) == ran == {"lookup": 2, "refund": 1}
     )
-    assert (_steps_under(first, tools), _steps_under(second, tools)) == (["m1.t1"], ["m2.t1"])
+    assert (_steps_under(first, tools), _steps_under(second, tools)) == (
+        ["m1.t1", "m1.t2"],
+        ["m2.t1"],
+    )
     assert _attrs(tools[-1])["asiento.outcome"] == "approved"
     assert _attrs(chats[0])["gen_ai.request.model"] == "gpt-test"
     assert _attrs(chats[0])["gen_ai.provider.name"] == "openai"
-    assert (_counts(first), _counts(second)) == ((2, 1, 0, 0), (1, 1, 2, 1))
+    assert (_counts(first), _counts(second)) == ((2, 2, 0, 0), (1, 1, 2, 2))
     _carried(provider, chats)
 
 
@@ -194,7 +198,7 @@ async def test_pydantic_ais_own_spans_nest_under_the_pass_and_are_the_step_spans
     pass spans; its ``chat`` and ``execute_tool`` spans are the steps' (one per generation
     paid, per tool run, none replayed: ``replay_scope``), and asiento adds none of its own."""
     tracers, exporter = spans
-    with FakeProvider((LOOKUP, REFUND, DONE)) as provider:
+    with FakeProvider((LOOKUPS, REFUND, DONE)) as provider:
         ran = await _pydantic_run(tmp_path, provider, tracers, instrument=True)
     found = exporter.get_finished_spans()
     first, second = _check_passes(found, "refunds")
@@ -203,18 +207,18 @@ async def test_pydantic_ais_own_spans_nest_under_the_pass_and_are_the_step_spans
     kinds = Counter(_attrs(s).get("gen_ai.operation.name") for s in theirs)
     assert kinds["chat"] == provider.billed() == 3
     tools = [_attrs(s)["gen_ai.tool.name"] for s in theirs if s.name.startswith("execute_tool")]
-    assert Counter(tools) == ran == {"lookup": 1, "refund": 1}
+    assert Counter(tools) == ran == {"lookup": 2, "refund": 1}
     steps = [
         _attrs(s).get("asiento.step.id")
         for s in theirs
         if _attrs(s).get("gen_ai.tool.name") or s.name.startswith("chat")
     ]
-    assert steps == ["m1", "m1.t1", "m2", "m2.t1", "m3"]  # they stand for asiento's steps
+    assert sorted(steps) == ["m1", "m1.t1", "m1.t2", "m2", "m2.t1", "m3"]  # asiento's steps
     runs = [s for s in theirs if s.name.startswith("invoke_agent") or s.name == "agent run"]
     parents = [s.parent.span_id if s.parent else None for s in runs]
     ids = (first.context.span_id, second.context.span_id)
     assert Counter(parents) == {ids[0]: 1, ids[1]: 2}  # the pass after the approval: 2 runs
-    assert (_counts(first), _counts(second)) == ((2, 1, 0, 0), (1, 1, 2, 1))
+    assert (_counts(first), _counts(second)) == ((2, 2, 0, 0), (1, 1, 2, 2))
     _carried(provider, [s for s in theirs if _attrs(s).get("gen_ai.operation.name") == "chat"])
 
 
@@ -248,7 +252,7 @@ async def test_an_agents_sdk_run_is_one_trace_with_a_span_per_paid_step(
 
     telemetry = Telemetry(tracer_provider=tracers)
     store = SqliteCheckpointer(tmp_path / "runs.db")
-    with FakeProvider((LOOKUP, REFUND, DONE)) as provider:
+    with FakeProvider((LOOKUPS, REFUND, DONE)) as provider:
         async with openai.AsyncOpenAI(
             base_url=provider.openai_url, api_key="sk-t", max_retries=0
         ) as client:
@@ -269,11 +273,11 @@ async def test_an_agents_sdk_run_is_one_trace_with_a_span_per_paid_step(
     steps = (_steps_under(first_pass, chats), _steps_under(second_pass, chats))
     assert steps == (["m1", "m2"], ["m3"])
     assert (
-        Counter(_attrs(s)["gen_ai.tool.name"] for s in tools) == ran == {"lookup": 1, "refund": 1}
+        Counter(_attrs(s)["gen_ai.tool.name"] for s in tools) == ran == {"lookup": 2, "refund": 1}
     )
     steps = (_steps_under(first_pass, tools), _steps_under(second_pass, tools))
-    assert steps == (["m1.t1"], ["m2.t1"])
-    assert (_counts(first_pass), _counts(second_pass)) == ((2, 1, 0, 0), (1, 1, 2, 1))
+    assert steps == (["m1.t1", "m1.t2"], ["m2.t1"])
+    assert (_counts(first_pass), _counts(second_pass)) == ((2, 2, 0, 0), (1, 1, 2, 2))
     _carried(provider, chats)
 
 

@@ -123,6 +123,17 @@ class _ChosenIds:
 _STEP: ContextVar[Span | None] = ContextVar("asiento_step_span", default=None)
 
 
+@dataclass(slots=True)
+class _Tool:
+    """The span of a tool under way, and how it ended so far (``asiento.outcome``)."""
+
+    span: Span
+    outcome: str = "unsent"
+
+
+_TOOL: ContextVar[_Tool | None] = ContextVar("asiento_tool_span", default=None)
+
+
 def step_traceparent() -> dict[str, str]:
     """The W3C trace headers of the step under way (``traceparent``, ``tracestate``), for a
     request the step sends (a model request, an MCP call's ``_meta``); empty when untraced."""
@@ -209,8 +220,6 @@ class PassTrace:
         self._inside: Context | None = None  # the pass's span as the steps' parent
         self._model: Span | None = None
         self._tokens: tuple[int, int] | None = None  # the paid call's, for its metrics
-        self._outcome = "unsent"
-        self._tool: Span | None = None
 
     # the run's context and the pass's span
 
@@ -514,45 +523,48 @@ class PassTrace:
         }
         if self.content:
             attributes["gen_ai.tool.call.arguments"] = _content(dict(arguments))
-        self._tool = self._start(
-            f"execute_tool {name}",
-            _digest_id(self.trace_id, attempt_id, "tool"),
-            self._parent(),
-            trace.SpanKind.INTERNAL,
-            attributes,
+        tool = _Tool(
+            self._start(
+                f"execute_tool {name}",
+                _digest_id(self.trace_id, attempt_id, "tool"),
+                self._parent(),
+                trace.SpanKind.INTERNAL,
+                attributes,
+            )
         )
-        outer, began = _STEP.get(), time.monotonic()
-        _STEP.set(self._tool)
+        outer, outer_tool, began = _STEP.get(), _TOOL.get(), time.monotonic()
+        _STEP.set(tool.span)
+        _TOOL.set(tool)  # per task: a framework runs an answer's tool calls side by side
         try:
             yield
         except BaseException as exc:
             from ..errors import UncertainEffect
 
-            self._outcome = "uncertain" if isinstance(exc, UncertainEffect) else "unsent"
-            self._tool.set_attribute("asiento.outcome", self._outcome)
-            _failed(self._tool, exc)
+            tool.outcome = "uncertain" if isinstance(exc, UncertainEffect) else "unsent"
+            tool.span.set_attribute("asiento.outcome", tool.outcome)
+            _failed(tool.span, exc)
             raise
         finally:
             _STEP.set(outer)  # not reset(): a stream may be closed from another context
-            self._tool.end()
-            self._tool = None
-            metrics.tool_ran(time.monotonic() - began, name, self._outcome)
-            self._outcome = "unsent"
+            _TOOL.set(outer_tool)
+            tool.span.end()
+            metrics.tool_ran(time.monotonic() - began, name, tool.outcome)
 
     def executed(self, outcome: Outcome, decision: Decision) -> None:
         """How the tool ended, on its span (before the outcome is recorded)."""
-        span = self._tool
-        if span is None:
+        tool = _TOOL.get()
+        if tool is None:
             return
         from opentelemetry.trace import Status, StatusCode
 
+        span = tool.span
         if outcome.status == "ok":
             applied = "approved" if decision is Decision.APPROVED else "applied"
             found = outcome.via == "lookup"  # the destination had it: found, not applied again
-            self._outcome = "reconciled" if found else applied
-            span.set_attribute("asiento.outcome", self._outcome)
+            tool.outcome = "reconciled" if found else applied
+            span.set_attribute("asiento.outcome", tool.outcome)
         else:
-            self._outcome = "failed"
+            tool.outcome = "failed"
             span.set_attribute("asiento.outcome", "failed")
             span.set_attribute("error.type", "tool_error")
             span.set_status(Status(StatusCode.ERROR, (outcome.error or "")[:500]))
