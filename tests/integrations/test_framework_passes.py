@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from asiento import SqliteCheckpointer, Telemetry, approve
 from asiento.testing import ENV_VAR
+from otel_readings import Key, figures, grew
 from providers.fake_servers import Answer, FakeProvider
 
 RUN = "refund-9"
@@ -101,6 +103,16 @@ def _counts(span: ReadableSpan) -> tuple[int, ...]:
     return tuple(int(_attrs(span)[f"asiento.{n}"]) for n in names)
 
 
+def _recorded(before: dict[Key, Any], after: dict[Key, Any], name: str, **attrs: str) -> int:
+    """How many records a histogram with these attributes took between two readings."""
+    key = (name, tuple(sorted(attrs.items())))
+    return int(after.get(key, (0,))[0]) - int(before.get(key, (0,))[0])
+
+
+def _tool(name: str, outcome: str) -> dict[str, str]:
+    return {"gen_ai.tool.name": name, "asiento.outcome": outcome}
+
+
 def _carried(provider: FakeProvider, chats: list[ReadableSpan]) -> None:
     """Each paid generation's request carried its ``chat`` span's context."""
     sent = [r.headers.get("traceparent", "") for r in provider.requests if r.key]
@@ -165,13 +177,24 @@ async def _pydantic_run(
 
 
 async def test_a_pydantic_ai_run_is_one_trace_with_a_span_per_paid_step(
-    tmp_path: Path, spans: tuple[TracerProvider, InMemorySpanExporter]
+    tmp_path: Path,
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+    reader: InMemoryMetricReader,
 ) -> None:
     """Pydantic AI's instrumentation off: asiento's pass spans, and its ``chat`` and
-    ``execute_tool`` spans for what each pass paid for or ran, none for what it replayed."""
+    ``execute_tool`` spans for what each pass paid for or ran, none for what it replayed;
+    its metrics count the same."""
     tracers, exporter = spans
+    before = figures(reader)
     with FakeProvider((LOOKUPS, REFUND, DONE)) as provider:
         ran = await _pydantic_run(tmp_path, provider, tracers, instrument=False)
+    after = figures(reader)
+    chat = {"gen_ai.provider.name": "openai", "gen_ai.request.model": "gpt-test"}
+    chat["gen_ai.operation.name"] = "chat"
+    assert _recorded(before, after, "gen_ai.client.operation.duration", **chat) == 3
+    assert _recorded(before, after, "asiento.tool.duration", **_tool("lookup", "applied")) == 2
+    assert _recorded(before, after, "asiento.tool.duration", **_tool("refund", "approved")) == 1
+    assert grew(before, after, "asiento.passes", **{"asiento.pass.cause": "decided"}) == 1
     found = exporter.get_finished_spans()
     first, second = _check_passes(found, "refunds")
     chats, tools = _asiento(found, "chat"), _asiento(found, "execute_tool")
