@@ -237,7 +237,7 @@ class _Pass:
                         status = _status_after(step, status)
                         yield step
                 except BaseException as exc:
-                    status, error = _status_of(exc), exc
+                    status, error = tracing.status_of(exc), exc
                     raise
                 finally:
                     await self._keep_what_happened()
@@ -867,17 +867,6 @@ def _status_after(step: Step | StreamEvent, status: str) -> str:
     if isinstance(step, BudgetStep):
         return "over_budget"
     return status
-
-
-def _status_of(exc: BaseException) -> str:
-    """How the pass left the run when it ended with ``exc`` (traces)."""
-    if isinstance(exc, UncertainEffect):
-        return "uncertain"
-    if isinstance(exc, shutdown.ShutdownRequested | GeneratorExit | asyncio.CancelledError):
-        return "stopped"
-    if isinstance(exc, LeaseLost):
-        return "lease_lost"
-    return "failed"
 
 
 def _awaiting_approval(run_id: str, step_id: str, call: ToolCall, frozen: Intent) -> list[Step]:
