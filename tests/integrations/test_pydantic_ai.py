@@ -25,6 +25,8 @@ import pytest
 
 pytest.importorskip("pydantic_ai")
 
+from pydantic_ai import RunContext  # the tools' annotations name it
+
 from asiento import Phase, RunStatus, SqliteCheckpointer, idem_key
 from asiento.proxy import create_app
 from asiento.testing import ENV_VAR
@@ -1038,3 +1040,44 @@ def test_a_reconcile_waits_while_the_first_call_still_runs_then_takes_its_answer
     records = asyncio.run(_recorded(tmp_path / "runs.db", "m1.t1"))
     assert records[Phase.RESULT]["value"] == "moved 5"
     assert "moved 5" in told
+
+
+async def test_a_tool_that_asks_for_approval_itself_is_refused_never_approved_unasked(
+    provider: FakeProvider, client: Any, tmp_path: Path
+) -> None:
+    """A tool that raises ``ApprovalRequired`` itself did nothing: its step is recorded as
+    not having happened, and the run stops with a UsageError saying how to declare the
+    approval, every pass; never the approved call run without a person. (The branch that
+    recorded it could not be reached: the step was left submitted with no outcome and
+    the next pass stopped as uncertain; recorded, Pydantic AI's approved re-call ran.)"""
+    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai.exceptions import ApprovalRequired
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    from asiento import UsageError
+    from asiento.integrations.pydantic_ai import durable_run
+
+    refunds: list[str] = []
+    model = OpenAIChatModel("gpt-test", provider=OpenAIProvider(openai_client=client))
+    agent = Agent(model, output_type=[str, DeferredToolRequests])
+
+    @agent.tool
+    def refund(ctx: RunContext[None], order: str) -> str:
+        """Refund an order (a person agrees first)."""
+        if not ctx.tool_call_approved:
+            raise ApprovalRequired
+        refunds.append(order)
+        return f"refunded {order}"
+
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        for _ in range(2):
+            with pytest.raises(UsageError, match=r"tool 'refund' asked for approval itself"):
+                await durable_run(agent, "refund A1", run_id=RUN, store=store)
+            records = [(e.step_id, e.phase) for e in await store.load(RUN)]
+            assert ("m1.t1", Phase.RESOLUTION) in records  # it did not happen
+            assert refunds == []
+    finally:
+        await store.close()
+    assert billed_per_step(provider) == {"m1": 1}  # the second pass replayed m1

@@ -438,8 +438,21 @@ class Pass(HeldCommits):
         except ModelRetry as exc:  # the tool knows it did nothing: the model is asked again
             await self._keep_retry(attempt_id, exc)
             raise
+        except (ApprovalRequired, CallDeferred) as exc:  # the tool did nothing: not yet
+            unsent = Resolution(
+                happened=False, by="asiento", reason=f"the tool deferred itself: {exc!r}"[:500]
+            )
+            await self.append(self.event(attempt_id, Phase.RESOLUTION, unsent.to_json()))
+            if isinstance(exc, ApprovalRequired):  # approved, the call would run unasked
+                raise UsageError(
+                    f"run {self.run_id!r}: tool {name!r} asked for approval itself "
+                    "(ApprovalRequired), which the journal cannot bind to a person's "
+                    f"decision; declare it @agent.tool(requires_approval=True) or pass "
+                    f"policy=require_approval_for({name!r}) to durable_run. It did not run."
+                ) from exc
+            raise
         except Exception as exc:
-            ours = isinstance(exc, AsientoError | ApprovalRequired | CallDeferred)
+            ours = isinstance(exc, AsientoError)
             if mcp is not None and not ours:
                 # The server's answer could not be read (Pydantic AI would tell the model
                 # a ValidationError was its arguments' fault): it may have been applied.
@@ -448,12 +461,6 @@ class Pass(HeldCommits):
                 retry = ModelRetry(str(exc))  # a retry, recorded, so a replay tells the same
                 await self._keep_retry(attempt_id, retry)
                 raise retry from exc
-            raise
-        except (ApprovalRequired, CallDeferred) as exc:
-            unsent = Resolution(
-                happened=False, by="asiento", reason=f"the tool deferred itself: {exc!r}"[:500]
-            )
-            await self.append(self.event(attempt_id, Phase.RESOLUTION, unsent.to_json()))
             raise
 
     @contextlib.contextmanager
