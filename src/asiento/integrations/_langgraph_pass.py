@@ -3,8 +3,8 @@ tool call inside it, wherever a node makes it, is a journaled step.
 
 The graph runs as written. While a pass drives it, ``BaseChatModel.agenerate`` /
 ``generate`` and ``BaseTool.arun`` / ``run`` (what ``ainvoke``, ``invoke`` and
-``ToolNode`` reach; a plain ``@tool`` function's ``ainvoke`` goes through ``arun`` on
-the loop, not to a thread that would come back to it) ask this pass first: a recorded
+``ToolNode`` reach; a plain ``@tool`` function's ``ainvoke`` is journaled on the loop
+before its thread starts, not from the thread) ask this pass first: a recorded
 answer or outcome is handed back and nothing is asked or run again; a new one is
 asked with asiento's idempotency key and recorded before the graph goes on. Outside
 a pass the patched methods are LangChain's own, untouched.
@@ -33,6 +33,7 @@ from langchain_core.load import dumpd, load
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.outputs import ChatGeneration, LLMResult
 from langchain_core.tools import BaseTool, StructuredTool, Tool, ToolException
+from langchain_core.tools.base import _prep_run_args
 
 from .. import step_ids
 from .._canonical import fingerprint, key_header, model_key
@@ -571,15 +572,22 @@ def _run(self: BaseTool, tool_input: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _on_the_loop(original: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """``ainvoke`` of a tool without a coroutine (a plain ``@tool`` function), as a pass
-    wants it: through ``arun`` on the event loop, whose ``_arun`` runs the function on a
-    worker thread. LangChain's own sends ``invoke`` to a thread, whose patched ``run``
-    would come back to the loop to journal the call and leave it again to run the
-    function: three round trips between threads a call, not one."""
+    wants it: journaled here on the loop, then LangChain's own (``invoke`` on a worker
+    thread, outside the pass). Left to itself, LangChain's would reach the patched ``run``
+    on that thread, which would come back to the loop to journal the call and leave it
+    again to run the function: three round trips between threads a call, not one."""
 
     async def ainvoke(self: Any, input: Any, config: Any = None, **kwargs: Any) -> Any:
-        if not self.coroutine and _ACTIVE.get() is not None:
-            return await BaseTool.ainvoke(self, input, config, **kwargs)
-        return await original(self, input, config, **kwargs)
+        run = _ACTIVE.get()
+        if self.coroutine or run is None:
+            return await original(self, input, config, **kwargs)
+        tool_input, prepared = _prep_run_args(input, config, **kwargs)
+
+        async def execute() -> Any:
+            with _outside(run):
+                return await original(self, input, config, **kwargs)
+
+        return await run.tool_step(self, tool_input, prepared.get("tool_call_id"), execute)
 
     return ainvoke
 
