@@ -7,6 +7,7 @@ the server itself is ``tests/journal/pg_server.py`` (``tests/`` is on
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,6 +18,17 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from journal import pg_server
 from sqlite_files import Journal
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The on-demand tier (``@pytest.mark.full``) runs only with ``ASIENTO_TIER=full``:
+    CI keeps a smaller case of each such campaign, within its 25 minutes."""
+    if os.environ.get("ASIENTO_TIER") == "full":
+        return
+    skip = pytest.mark.skip(reason="on-demand tier: ASIENTO_TIER=full bash scripts/test")
+    for item in items:
+        if "full" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "step_overhead.py"
 
 
@@ -98,6 +100,7 @@ def test_telemetry_bench_measures_off_on_and_before(tmp_path: Path) -> None:
         assert float(row["ms/step_process"]) > 0, done.stdout
 
 
+@pytest.mark.full  # 20 s; tests/integrations/test_langgraph_crashes.py kills in CI
 def test_langgraph_kills_bench_prints_both_tables(tmp_path: Path) -> None:
     """`bench/langgraph_kills.py --quick` with one kill a side runs to its end and prints the
     side-by-side counts and the overhead table (its figures are not checked)."""
