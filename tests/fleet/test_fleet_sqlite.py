@@ -189,15 +189,7 @@ async def test_pass_that_fails_before_driving_gives_its_claim_back(sqlite_path: 
     app = App(
         agents={"default": _FailsBeforeDriving()}, gateway=ScriptedGateway([]), max_attempts=2
     )
-    await submit(store, "r1", "task")
-    worker = Worker(store, app, poll=0.01)
-    assert [await worker.run_once() for _ in range(3)] == [True, True, False]
-    [run] = await store.runs()
-    assert (run.status, run.fence, run.lease_owner) == (RunStatus.PARKED, 2, None)
-    assert run.reason is not None
-    assert run.reason.endswith("last failure: RuntimeError: the framework could not start")
-    assert (worker.stats.claimed, worker.stats.failed) == (2, 2)
-    await store.close()
+    await _parked_after_two_given_back_claims(store, app, "the framework could not start")
 
 
 async def test_run_for_an_agent_the_app_lacks_is_parked_at_once(sqlite_path: Path) -> None:
@@ -224,12 +216,19 @@ async def test_claim_whose_session_cannot_be_built_is_given_back(sqlite_path: Pa
     the run was never parked: each lapse restarted nothing and counted nothing)."""
     store = SqliteCheckpointer(sqlite_path)
     app = App(agents={"default": Agent()}, gateway=_gateway_factory_that_fails, max_attempts=2)
+    await _parked_after_two_given_back_claims(store, app, "no credentials for the provider")
+
+
+async def _parked_after_two_given_back_claims(
+    store: SqliteCheckpointer, app: App, failure: str
+) -> None:
+    """Each claim is given back at once (no lapse to wait for): parked after two, naming why."""
     await submit(store, "r1", "task")
     worker = Worker(store, app, poll=0.01)
     assert [await worker.run_once() for _ in range(3)] == [True, True, False]
     [run] = await store.runs()
     assert (run.status, run.fence, run.lease_owner) == (RunStatus.PARKED, 2, None)
     assert run.reason is not None
-    assert run.reason.endswith("last failure: RuntimeError: no credentials for the provider")
+    assert run.reason.endswith(f"last failure: RuntimeError: {failure}")
     assert (worker.stats.claimed, worker.stats.failed) == (2, 2)
     await store.close()
