@@ -15,6 +15,9 @@ import pytest
 from opentelemetry import metrics
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from journal import pg_server
 from sqlite_files import Journal
@@ -72,3 +75,13 @@ def reader() -> InMemoryMetricReader:
     if metrics.get_meter_provider() is not provider:
         pytest.fail("something set the global MeterProvider before this fixture")
     return reader
+
+
+@pytest.fixture
+def spans() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+    """A tracer provider of the test's own (``Telemetry(tracer_provider=...)``), its spans."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()

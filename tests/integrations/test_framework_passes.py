@@ -16,14 +16,11 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from asiento import SqliteCheckpointer, Telemetry, approve
@@ -36,15 +33,6 @@ TASK = "refund order A1"
 LOOKUPS = Answer(calls=(("lookup", {"order": "A1"}), ("lookup", {"order": "B2"})))  # side by side
 REFUND = Answer(calls=(("refund", {"order": "A1"}),))
 DONE = Answer(text="refunded A1")
-
-
-@pytest.fixture
-def spans() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield provider, exporter
-    provider.shutdown()
 
 
 def _attrs(span: ReadableSpan) -> dict[str, Any]:

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +49,6 @@ SCRIPT = (Answer(calls=(("read", {"path": "/x"}),)), Answer(text="done"))
 def read(path: str) -> str:
     """Read a file."""
     return f"contents of {path}"
-
-
-@pytest.fixture
-def spans() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
-    """A provider of the run's own (``Telemetry(tracer_provider=...)``) and its spans."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield provider, exporter
-    provider.shutdown()
 
 
 @functools.cache
