@@ -581,7 +581,7 @@ def test_a_declared_key_honouring_mcp_call_killed_before_its_result_is_reconcile
     server again under the same key, the server answers from its record (the transfer
     happened once), and that answer is the step's outcome: the run closes."""
     options = ("--mcp", str(MCP_SERVER), "--prefix", "bank", "--prompt", "move 5", "--why")
-    options += ("--honours", "3600", "--hook")
+    options += ("--honours", "3600", "--hook", "--spans", str(tmp_path / "spans.jsonl"))
     with FakeProvider(TRANSFER) as provider:
         assert run_pass(tmp_path, provider.openai_url, *options, crash_at="after_tool") is None
         resumed = run_pass(tmp_path, provider.openai_url, *options)
@@ -597,6 +597,21 @@ def test_a_declared_key_honouring_mcp_call_killed_before_its_result_is_reconcile
     assert "moved 5" in told  # the model was handed the server's recorded answer
     # The user's own hook ran on the first call and on the reconcile (its _meta merged).
     assert (tmp_path / "effects.log.hook").read_text().split() == ["transfer", "transfer"]
+    # Traced: the first call's span (applied), then the call sent again, a span of its own
+    # (not the first's id) saying the server answered from its record.
+    from asiento.testing._files import read_lines
+
+    tools = [
+        (s["context"]["span_id"], s["attributes"])
+        for s in read_lines(tmp_path / "spans.jsonl")
+        if s["name"] == "execute_tool bank_transfer"
+    ]
+    assert [(a["asiento.step.id"], a["asiento.outcome"]) for _, a in tools] == [
+        ("m1.t1", "applied"),
+        ("m1.t1", "reconciled"),
+    ]
+    assert [a.get("asiento.resent") for _, a in tools] == [None, True]
+    assert tools[0][0] != tools[1][0]
 
 
 def test_the_users_process_tool_call_hook_runs_and_its_metadata_is_merged(

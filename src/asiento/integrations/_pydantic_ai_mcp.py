@@ -92,23 +92,23 @@ async def call_keyed(key: str, run: Callable[[], Awaitable[Any]]) -> Any:
         _CALL.reset(token)
 
 
-async def reconcile_call(
-    key: str,
-    run: Callable[[], Awaitable[Any]],
-    *,
-    toolset_id: str,
-    key_ttl: float | None,
-    age: float | None,
-) -> tuple[Any, bool]:
-    """The server's answer to the same call under the same key: (value, replayed).
-
-    ``NotReconciled`` when the key may be forgotten, the server says it cannot know,
-    or the call did not reach the server through ``_KeyedMcp``.
-    """
+def may_ask_again(*, toolset_id: str, key_ttl: float | None, age: float | None) -> None:
+    """``NotReconciled`` unless the server surely still has the key: nothing is sent."""
     how = reconcile(honours_keys=True, key_ttl=key_ttl, has_lookup=False, age=age)
     if how is not Reconcile.REPUBLISH:
         why = distrust_key(age=age, key_ttl=key_ttl, key_margin=None)
         raise NotReconciled(f"{why} Its MCP toolset {toolset_id!r} cannot be asked again under it.")
+
+
+async def reconcile_call(
+    key: str, run: Callable[[], Awaitable[Any]], *, toolset_id: str
+) -> tuple[Any, bool]:
+    """The server's answer to the same call under the same key (``may_ask_again`` first):
+    (value, replayed).
+
+    ``NotReconciled`` when the server says it cannot know, or the call did not reach
+    the server through ``_KeyedMcp``.
+    """
     call = _Call(key, reconciling=True)
     token = _CALL.set(call)
     try:

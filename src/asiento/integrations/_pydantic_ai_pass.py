@@ -246,7 +246,7 @@ class Pass(HeldCommits):
         if action is Action.UNCERTAIN:
             await self.settle()
             settled = await self._reconcile(
-                step_id, state.current_id, name, run, leaf=leaf, key=key
+                step_id, state.current_id, name, call_id or "", run, leaf=leaf, key=key
             )
             if isinstance(settled, _Settled):
                 return settled.value
@@ -304,6 +304,7 @@ class Pass(HeldCommits):
         step_id: str,
         attempt_id: str,
         name: str,
+        call_id: str,
         run: Callable[[], Awaitable[Any]],
         *,
         leaf: Any,
@@ -320,7 +321,7 @@ class Pass(HeldCommits):
                 "it was submitted and no outcome was recorded; it is not declared idempotent "
                 "(durable_run(idempotent=...))"
             )
-        from ._pydantic_ai_mcp import NotReconciled, reconcile_call
+        from ._pydantic_ai_mcp import NotReconciled, may_ask_again, reconcile_call
 
         if leaf.id not in self.honours:
             return (
@@ -330,10 +331,21 @@ class Pass(HeldCommits):
             )
         age = await self.store.age(self.run_id, step_id, Phase.SUBMITTED)
         try:
-            with self._in_step(step_id, attempt_id, name):
-                value, replayed = await reconcile_call(
-                    key, run, toolset_id=leaf.id, key_ttl=self.honours[leaf.id], age=age
-                )
+            may_ask_again(toolset_id=leaf.id, key_ttl=self.honours[leaf.id], age=age)
+        except NotReconciled as exc:
+            return str(exc)
+        unit(executed=True)  # a call goes to the server: its span is reported
+        trace = self._step_trace(step_id)
+        args = self.tool_args.get(call_id, {})
+        try:
+            # Sent again: its own span (not the first call's id), however it ends.
+            with trace.executing(step_id, attempt_id, name, call_id, args, resent=True):
+                with self._in_step(step_id, attempt_id, name):
+                    value, replayed = await reconcile_call(key, run, toolset_id=leaf.id)
+                outcome = outcomes.bounded(to_jsonable_python(value))
+                approved = Phase.APPROVAL in step_state(self.journal, step_id).records
+                decision = Decision.APPROVED if approved else Decision.ALLOW
+                trace.executed(outcome, decision, reconciled=replayed)
         except NotReconciled as exc:
             return str(exc)
         except ModelRetry as exc:  # the recorded answer is the tool's error
@@ -343,8 +355,7 @@ class Pass(HeldCommits):
             self.stats.tool_calls_replayed += 1
         else:  # the first call never reached the server: this one did the work
             self.stats.tool_calls += 1
-        unit(executed=True)  # a call went to the server: its span is reported
-        return _Settled(await self._keep(attempt_id, value))
+        return _Settled(await self._keep(attempt_id, value, outcome))
 
     async def decisions(
         self, requests: DeferredToolRequests

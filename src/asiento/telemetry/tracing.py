@@ -508,9 +508,17 @@ class PassTrace:
 
     @contextlib.contextmanager
     def executing(
-        self, step_id: str, attempt_id: str, name: str, call_id: str, arguments: Mapping[str, Any]
+        self,
+        step_id: str,
+        attempt_id: str,
+        name: str,
+        call_id: str,
+        arguments: Mapping[str, Any],
+        *,
+        resent: bool = False,
     ) -> Iterator[None]:
-        """A tool that runs in this pass: an ``execute_tool`` span."""
+        """A tool that runs in this pass: an ``execute_tool`` span (``resent``: the same
+        attempt's call sent again under its key, a span of its own)."""
         from opentelemetry import trace
 
         attributes: dict[str, Any] = {
@@ -523,10 +531,12 @@ class PassTrace:
         }
         if self.content:
             attributes["gen_ai.tool.call.arguments"] = _content(dict(arguments))
+        if resent:
+            attributes["asiento.resent"] = True
         tool = _Tool(
             self._start(
                 f"execute_tool {name}",
-                _digest_id(self.trace_id, attempt_id, "tool"),
+                _digest_id(self.trace_id, attempt_id, "tool", *(["resent"] if resent else [])),
                 self._parent(),
                 trace.SpanKind.INTERNAL,
                 attributes,
@@ -550,8 +560,9 @@ class PassTrace:
             tool.span.end()
             metrics.tool_ran(time.monotonic() - began, name, tool.outcome)
 
-    def executed(self, outcome: Outcome, decision: Decision) -> None:
-        """How the tool ended, on its span (before the outcome is recorded)."""
+    def executed(self, outcome: Outcome, decision: Decision, *, reconciled: bool = False) -> None:
+        """How the tool ended, on its span (before the outcome is recorded); ``reconciled``:
+        the destination answered from its own record (a key it had), nothing applied again."""
         tool = _TOOL.get()
         if tool is None:
             return
@@ -560,7 +571,7 @@ class PassTrace:
         span = tool.span
         if outcome.status == "ok":
             applied = "approved" if decision is Decision.APPROVED else "applied"
-            found = outcome.via == "lookup"  # the destination had it: found, not applied again
+            found = reconciled or outcome.via == "lookup"  # the destination had it
             tool.outcome = "reconciled" if found else applied
             span.set_attribute("asiento.outcome", tool.outcome)
         else:
@@ -698,11 +709,18 @@ class Off:
         return None
 
     def executing(
-        self, step_id: str, attempt_id: str, name: str, call_id: str, arguments: Mapping[str, Any]
+        self,
+        step_id: str,
+        attempt_id: str,
+        name: str,
+        call_id: str,
+        arguments: Mapping[str, Any],
+        *,
+        resent: bool = False,
     ) -> contextlib.nullcontext[None]:
         return contextlib.nullcontext()
 
-    def executed(self, outcome: Outcome, decision: Decision) -> None:
+    def executed(self, outcome: Outcome, decision: Decision, *, reconciled: bool = False) -> None:
         return None
 
     def noted(self, event: str, step_id: str, tool: str, **more: str) -> None:
