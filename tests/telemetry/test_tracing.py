@@ -20,7 +20,9 @@ from asiento import (
     ApprovalStep,
     Decision,
     Delta,
+    JournalFull,
     ModelResponse,
+    RunStatus,
     Session,
     SqliteCheckpointer,
     Telemetry,
@@ -392,3 +394,35 @@ async def test_a_denied_call_is_an_event_of_its_pass_not_a_tool_span(
             {"asiento.step.id": "m1.t1", "gen_ai.tool.name": "send", "by": "policy"},
         )
     ]
+
+
+class _FullAtTheClose(SqliteCheckpointer):
+    """A real SQLite journal whose disk fills up at the run's closing commit."""
+
+    async def append(self, *events: Any, status: Any = None, lease: Any = None) -> None:
+        if status is RunStatus.CLOSED:
+            raise JournalFull("database or disk is full (the closing commit)")
+        await super().append(*events, status=status, lease=lease)
+
+
+async def test_a_run_whose_close_failed_to_commit_exports_no_run_span(
+    tmp_path: Path, spans: tuple[TracerProvider, InMemorySpanExporter]
+) -> None:
+    """The run's span says the run closed: it goes out only once that close is durable.
+    The next pass closes the run and exports it then, once."""
+    provider, exporter = spans
+    agent = Agent(tools=[send], name="mailer", telemetry=Telemetry(tracer_provider=provider))
+    gateway, path = ScriptedGateway(_answers()), tmp_path / "j.db"
+    store = _FullAtTheClose(path)
+    with pytest.raises(JournalFull):
+        async for _ in agent.run("write to ana", session=Session("r1", gateway, store)):
+            pass
+    await store.close()
+    found = exporter.get_finished_spans()
+    assert [s for s in _named(found, "invoke_agent") if "asiento.pass.fence" not in _attrs(s)] == []
+    exporter.clear()
+    await _drive(agent, "r1", gateway, path)  # the disk has room again
+    again = exporter.get_finished_spans()
+    runs = [s for s in _named(again, "invoke_agent") if "asiento.pass.fence" not in _attrs(s)]
+    assert [_attrs(s)["asiento.run.status"] for s in runs] == ["closed"]
+    assert SENT == ["ana"]

@@ -246,9 +246,9 @@ class PassTrace:
                 log.warning(
                     "run %r: could not mark the end of its traced pass: %s", self.run_id, exc
                 )
-        if self.closed_run:
-            self.closed_run = False
+        if self.closed_run and error is None:  # an error after end(): the close never landed
             self._run_span()
+        self.closed_run = False
 
     def begin(self, events: Sequence[StepEvent]) -> list[StepEvent]:
         """Open the pass's span: the records to commit before anything else (the run's
