@@ -10,26 +10,24 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Literal, cast, overload
 
 from . import budget as budgets
-from . import context, shutdown, step_ids
+from . import shutdown, step_ids
 from ._canonical import (
     FingerprintChain,
     fingerprint,
     model_key,
 )
 from ._crash import crash_point
-from .context import StepContext
+from ._tool_steps import NOT_STARTED, ToolSteps
 from .errors import (
     AsientoError,
     DuplicateRecord,
     LeaseLost,
     MaxTurnsExceeded,
     ReplayDivergence,
-    ToolUnavailable,
-    UncertainEffect,
     UsageError,
 )
 from .events import (
@@ -43,7 +41,6 @@ from .events import (
     RunStatus,
     Step,
     StepEvent,
-    ToolStep,
 )
 from .ledger import cost_of
 from .model import (
@@ -51,22 +48,17 @@ from .model import (
     Message,
     ModelRequest,
     ModelResponse,
-    ToolCall,
     check_response,
 )
 from .payloads import (
     SUBMITTED,
-    Approval,
     Final,
-    Intent,
     ModelResult,
-    Outcome,
     Payload,
-    Resolution,
     StreamAttempt,
 )
-from .policy import Policy, allow_all, ask_policy
-from .replay import Action, Records, StepState, decide, index, step_state, tool_drift
+from .policy import Policy, allow_all
+from .replay import index, tool_drift
 from .session import Session, abandonment
 from .streaming import (
     Delta,
@@ -78,7 +70,7 @@ from .streaming import (
     whole_parts,
 )
 from .telemetry import tracing
-from .tools import Found, PrepareFailed, Tool, ToolArgumentsError, ToolTimedOut, Unknown, within
+from .tools import Tool
 
 log = logging.getLogger("asiento")
 
@@ -162,27 +154,6 @@ class Agent:
         return cast("AsyncIterator[Step]", _Pass(self, task, session).steps())
 
 
-@dataclass(frozen=True, slots=True)
-class _Ready:
-    """A tool step whose intent and submitted marker are durable, about to run."""
-
-    state: StepState
-    call: ToolCall
-    tool: Tool
-    via: str
-    kwargs: dict[str, Any] | None
-    attempt_id: str
-    attempts: int
-
-
-# What the loop records for a step it made ready and never started: it knows.
-_NOT_STARTED = Resolution(
-    happened=False,
-    by="asiento",
-    reason="the caller stopped iterating before the tool started; it runs on the next pass",
-)
-
-
 class _OverBudget(Exception):
     """The run's budget is spent before a new model call: the walk stops here."""
 
@@ -211,11 +182,11 @@ class _Pass:
         self.lease: Lease | None = None
         self.counted: set[str] = set()  # steps whose call or replay this pass counted
         self.unrecorded: list[StepEvent] = []  # records an append refused (lease lost)
-        self.ready: _Ready | None = None  # a tool step durable and about to run
         self.spent = budgets.Spent()  # what the model steps walked so far spent
         self.restarted = False  # whether this pass announced its first asked step
         self.budget_noted = False  # this pass recorded its budget in force (``ModelResult``)
         self.trace: tracing.PassTrace | tracing.Off = tracing.OFF
+        self.tools = ToolSteps(self)
 
     async def steps(self) -> AsyncIterator[Step | StreamEvent]:
         # A claimed run was running when claimed; its walk's first read sees a final
@@ -278,13 +249,13 @@ class _Pass:
         stopped before it started is recorded as not having happened: it runs, once,
         on the next pass.
         """
-        if self.ready is not None:
-            ready, self.ready = self.ready, None
-            self._record(ready.attempt_id, Phase.RESOLUTION, _NOT_STARTED)
+        if self.tools.ready is not None:
+            ready, self.tools.ready = self.tools.ready, None
+            self.record(ready.attempt_id, Phase.RESOLUTION, NOT_STARTED)
         if not self.pending:
             return
         try:
-            await self._flush()
+            await self.flush()
         except AsientoError as exc:
             log.warning("run %r: could not record the last outcomes: %s", self.run_id, exc)
 
@@ -312,7 +283,7 @@ class _Pass:
             return
         if not self.trace.begun:
             await self.trace.open(events, self.store, self.lease)
-        self._add(Message(role="user", content=self.task))
+        self.add(Message(role="user", content=self.task))
         for turn in range(1, self.agent.max_turns + 1):
             step_id = step_ids.model(turn)
             await self._boundary()
@@ -328,13 +299,13 @@ class _Pass:
                 return
             for number, call in enumerate(response.tool_calls, 1):
                 await self._boundary()
-                go_on = await self._tool_step(step_ids.tool(step_id, number), call)
+                go_on = await self.tools.step(step_ids.tool(step_id, number), call)
                 for step in self._drain():  # durable: yielded before the tool runs
                     yield step
-                await self._run_ready()
+                await self.tools.run_ready()
                 if not go_on:
                     return
-            await self._flush()
+            await self.flush()
             for step in self._drain():
                 yield step
         raise MaxTurnsExceeded(
@@ -346,7 +317,7 @@ class _Pass:
         """Between two steps: stop here if a shutdown was requested, with nothing lost."""
         if not shutdown.requested():
             return
-        await self._flush()
+        await self.flush()
         raise shutdown.ShutdownRequested(
             f"run {self.run_id!r} stopped between steps because a shutdown was requested; "
             "every finished step is recorded and the run is resumable"
@@ -362,7 +333,7 @@ class _Pass:
         else:
             budget = await self._check_budget(step_id)
             response = await self._call_model(step_id, fp, budget)
-        self._add(Message(role="assistant", content=response.text, tool_calls=response.tool_calls))
+        self.add(Message(role="assistant", content=response.text, tool_calls=response.tool_calls))
         return response
 
     async def _answer(self, step_id: str) -> AsyncIterator[StreamEvent | ModelResponse]:
@@ -419,7 +390,7 @@ class _Pass:
             if not isinstance(gateway, StreamingGateway):
                 for part in whole_parts(response):
                     yield Delta(run_id=self.run_id, step_id=step_id, attempt=attempt, part=part)
-        self._add(Message(role="assistant", content=response.text, tool_calls=response.tool_calls))
+        self.add(Message(role="assistant", content=response.text, tool_calls=response.tool_calls))
         yield response
 
     def _replay_model(self, step_id: str, fp: str, recorded: StepEvent) -> ModelResponse:
@@ -437,14 +408,14 @@ class _Pass:
             )
         response = result.response
         self.spent.add(result)
-        if self._first_time(step_id):  # a second walk replays what this pass counted
+        if self.first_time(step_id):  # a second walk replays what this pass counted
             self.stats.model_calls_replayed += 1
             self.stats.input_tokens_saved += response.usage.input_tokens
             self.stats.output_tokens_saved += response.usage.output_tokens
             self.stats.cost_saved += result.cost or 0.0
         return response
 
-    def _first_time(self, step_id: str) -> bool:
+    def first_time(self, step_id: str) -> bool:
         """Whether this pass counts ``step_id`` now (a call paid, or a replay saved)."""
         if step_id in self.counted:
             return False
@@ -493,7 +464,7 @@ class _Pass:
         )
         self.spent.add(result)
         self.trace.answered(result)
-        self._record(step_id, Phase.RESULT, result)
+        self.record(step_id, Phase.RESULT, result)
         self.waiting.append(
             ModelStep(run_id=self.run_id, step_id=step_id, response=response, idempotency_key=key)
         )
@@ -521,237 +492,40 @@ class _Pass:
         if isinstance(checked, budgets.Budget):
             return checked
         if not checked.recorded:
-            self._record(checked.step_id, Phase.INTENT, checked.record)
-        await self._flush()
+            self.record(checked.step_id, Phase.INTENT, checked.record)
+        await self.flush()
         waiting = (RunStatus.SUSPENDED, checked.step_id, Phase.APPROVAL, checked.reason)
-        if not await self._wait_for(*waiting):
-            raise _Decided
+        await self.wait_for(*waiting)
         log.info("run %r %s", self.run_id, checked.reason)
         self.out.append(checked.shown(self.run_id))
         raise _OverBudget
 
     async def _close(self, step_id: str, response: ModelResponse) -> None:
-        self._record(step_ids.FINAL, Phase.RESULT, Final(step=step_id, text=response.text))
+        self.record(step_ids.FINAL, Phase.RESULT, Final(step=step_id, text=response.text))
         self.waiting.append(FinalStep(run_id=self.run_id, step_id=step_id, text=response.text))
         ended = self.trace.end("closed")  # its mark rides the final commit
         if ended is not None:
             self.pending.append(ended)
-        await self._flush(RunStatus.CLOSED)
+        await self.flush(RunStatus.CLOSED)
 
-    # -- tool steps ----------------------------------------------------------------
-
-    async def _tool_step(self, step_id: str, call: ToolCall) -> bool:
-        """Bring one tool call to a known outcome; False when the run must stop here."""
-        tool = self.agent.tools.get(call.name)
-        state = step_state(self.journal, step_id)
-        records = state.records
-        action = decide(records, idempotent=tool.idempotent if tool else True)
-        if action is Action.FEED_RESULT:
-            self.stats.tool_calls_replayed += self._first_time(step_id)
-            self._feed(call, Outcome.from_json(records[Phase.RESULT].payload))
-        elif action is Action.FEED_RESOLUTION:
-            self.stats.tool_calls_replayed += self._first_time(step_id)
-            self._feed(call, Resolution.from_json(records[Phase.RESOLUTION].payload).as_outcome())
-        elif action is Action.START:
-            return await self._start(step_id, call, tool)
-        elif action is Action.EXECUTE:
-            assert tool is not None  # an unknown tool gets its result at START
-            await self._execute(state, call, tool)
-        elif action is Action.FEED_DENIAL:
-            self._deny(step_id, call, records)
-        elif action is Action.AWAIT_APPROVAL:
-            await self._suspend(step_id, call, records[Phase.INTENT])
-            return False
-        elif tool is None:
-            await self._uncertain(state.current_id, call, "")
-        else:
-            await self._reconcile(state, call, tool)
-        return True
-
-    async def _start(self, step_id: str, call: ToolCall, tool: Tool | None) -> bool:
-        args = dict(call.arguments)
-        frozen = Intent(tool=call.name, args=args, fp=fingerprint(args)[:32])
-        problem, kwargs = _argument_problem(call, tool)
-        if problem is not None or tool is None:
-            self._record(step_id, Phase.INTENT, frozen)
-            self._result(step_id, call, Decision.ALLOW, Outcome.failed(str(problem)))
-            return True
-        decision = await ask_policy(self.agent.policy, call)
-        if decision is not Decision.DENY:
-            try:
-                frozen = tool.runner.prepare(tool, self.run_id, step_id, frozen)
-            except PrepareFailed as exc:
-                problem = str(exc)
-        intent = self._record(step_id, Phase.INTENT, frozen, decision)
-        if problem is not None:
-            self._result(step_id, call, decision, Outcome.failed(problem))
-        elif decision is Decision.DENY:
-            self.trace.noted("asiento.tool.denied", step_id, call.name, by="policy")
-            self._result(step_id, call, decision, Outcome.denied("policy", "denied by policy"))
-        elif decision is Decision.REQUIRE_APPROVAL:
-            await self._suspend(step_id, call, intent)
-            return False
-        else:
-            if tool.runner.prepares:  # what it prepared is durable before it executes
-                await self._flush()
-                crash_point("after_prepare")
-            state = StepState(step_id, 1, {Phase.INTENT: intent})
-            await self._execute(state, call, tool, kwargs=kwargs)
-        return True
-
-    async def _execute(
-        self,
-        state: StepState,
-        call: ToolCall,
-        tool: Tool,
-        via: str = "publish",
-        *,
-        kwargs: dict[str, Any] | None = None,
-    ) -> None:
-        """Make the step's intent and submitted marker durable: it runs next, once.
-
-        The steps recorded so far are yielded in between (the model's answer among
-        them), so a caller sees what the model asked for before the tool runs.
-        """
-        records, attempt_id = state.records, state.next_id
-        attempts = state.attempt + (1 if Phase.SUBMITTED in records else 0)
-        self._record(attempt_id, Phase.SUBMITTED, None)
-        await self._flush()
-        self.ready = _Ready(state, call, tool, via, kwargs, attempt_id, attempts)
-
-    async def _run_ready(self) -> None:
-        """Run the tool step made ready, once; its outcome is recorded with the next commit."""
-        ready, self.ready = self.ready, None
-        if ready is None:
-            return
-        state, call, tool = ready.state, ready.call, ready.tool
-        intent = Intent.from_json(state.records[Phase.INTENT].payload)
-        where = StepContext(
-            run_id=self.run_id, step_id=state.step_id, attempt_id=ready.attempt_id, tool=call.name
-        )
-        token = context.enter(where)
-        seconds = self.session.tool_timeout if tool.timeout is None else tool.timeout
-        decision = Decision.APPROVED if Phase.APPROVAL in state.records else Decision.ALLOW
-        with self.trace.executing(
-            state.step_id, ready.attempt_id, call.name, call.id, call.arguments
-        ):
-            try:
-                executing = tool.runner.execute(
-                    tool, intent, ready.kwargs, via=ready.via, attempts=ready.attempts
-                )
-                outcome = await within(executing, seconds, call.name)
-            except ToolUnavailable as exc:  # it never left: the step runs on the next pass
-                unsent = Resolution(happened=False, by="asiento", reason=str(exc)[:500])
-                self._record(ready.attempt_id, Phase.RESOLUTION, unsent)
-                raise
-            except ToolTimedOut as exc:
-                if not tool.idempotent:  # it may have happened, or may yet: never run it again
-                    why = f"it timed out after {exc.seconds:g} s, and may or may not have happened"
-                    await self._uncertain(
-                        ready.attempt_id, call, f"{why[0].upper()}{why[1:]}.", why
-                    )
-                outcome = Outcome.failed(str(exc))
-            finally:
-                context.leave(token)
-            self.trace.executed(outcome, decision)
-        self.stats.tool_calls += 1
-        self.counted.add(state.step_id)
-        crash_point("after_tool")
-        self._result(ready.attempt_id, call, decision, outcome, step_id=state.step_id)
-
-    async def _reconcile(self, state: StepState, call: ToolCall, tool: Tool) -> None:
-        """Submitted, no outcome, not idempotent: what the tool's runner can settle, or a person.
-
-        The step's age is the store's: on PostgreSQL the server's clock judges when it
-        was first submitted, so no client's clock can make an old key look fresh.
-        """
-        intent = Intent.from_json(state.records[Phase.INTENT].payload)
-        age = await self.store.age(self.run_id, state.step_id, Phase.SUBMITTED)
-        settled = await tool.runner.reconcile(tool, intent, age=age, attempts=state.attempt)
-        if isinstance(settled, Unknown):
-            await self._uncertain(state.current_id, call, settled.why)
-        elif isinstance(settled, Found):
-            decision = Decision.APPROVED if Phase.APPROVAL in state.records else Decision.ALLOW
-            self._result(state.current_id, call, decision, settled.outcome, step_id=state.step_id)
-        else:
-            await self._execute(state, call, tool, via=settled.via)
-
-    async def _uncertain(
-        self, record_id: str, call: ToolCall, detail: str, why: str | None = None
-    ) -> None:
-        """Stop for a person: nobody knows whether attempt ``record_id`` happened
-        (``why``, when it is news the run page should show)."""
-        await self._flush()
-        reason = None if why is None else f"tool {call.name!r} (step {record_id}): {why}"[:1000]
-        if not await self._wait_for(RunStatus.UNCERTAIN, record_id, Phase.RESOLUTION, reason):
-            raise _Decided
-        self.trace.noted("asiento.effect.uncertain", record_id, call.name)
-        raise UncertainEffect(self.run_id, record_id, call.name, detail)
-
-    async def _wait_for(
+    async def wait_for(
         self, status: RunStatus, step_id: str, phase: Phase, reason: str | None = None
-    ) -> bool:
-        """Mark the run as waiting for a person's record, unless that record is there
-        already: a person may have decided after this pass read the journal."""
-        return await self.store.set_status(
-            self.run_id, status, reason=reason, lease=self.lease, waits_for=(step_id, phase)
-        )
-
-    def _deny(self, step_id: str, call: ToolCall, records: Records) -> None:
-        approval = records.get(Phase.APPROVAL)
-        if approval is None:
-            self._result(step_id, call, Decision.DENY, Outcome.denied("policy", "denied by policy"))
-        else:
-            denial = Approval.from_json(approval.payload).as_outcome()
-            self._result(step_id, call, Decision.DENIED, denial)
-
-    async def _suspend(self, step_id: str, call: ToolCall, intent: StepEvent) -> None:
-        steps = _awaiting_approval(self.run_id, step_id, call, Intent.from_json(intent.payload))
-        if any(e is intent for e in self.pending):  # new: nobody can have decided on it yet
-            self.trace.noted("asiento.approval.requested", step_id, call.name)
-            self.waiting.extend(steps)
-            await self._flush(RunStatus.SUSPENDED)
-            return
-        await self._flush()
-        if not await self._wait_for(RunStatus.SUSPENDED, step_id, Phase.APPROVAL):
-            raise _Decided
-        self.out.extend(steps)
-
-    def _result(
-        self,
-        record_id: str,
-        call: ToolCall,
-        decision: Decision,
-        outcome: Outcome,
-        *,
-        step_id: str | None = None,
     ) -> None:
-        """Record an outcome under ``record_id`` (an attempt of ``step_id``) and feed it."""
-        self._record(record_id, Phase.RESULT, outcome)
-        self.waiting.append(
-            ToolStep(
-                run_id=self.run_id,
-                step_id=step_id or record_id,
-                call=call,
-                decision=decision,
-                status=outcome.status,
-                result=outcome.shown,
-            )
-        )
-        self._feed(call, outcome)
-
-    def _feed(self, call: ToolCall, outcome: Outcome) -> None:
-        self._add(
-            Message(role="tool", content=outcome.text(), tool_call_id=call.id, name=call.name)
-        )
+        """Mark the run as waiting for a person's record, unless that record is there
+        already (a person may have decided after this pass read the journal): then
+        ``_Decided``, and the pass walks the run again from the journal."""
+        if not await self.store.set_status(
+            self.run_id, status, reason=reason, lease=self.lease, waits_for=(step_id, phase)
+        ):
+            raise _Decided
 
     # -- journal plumbing ----------------------------------------------------------
 
-    def _add(self, message: Message) -> None:
+    def add(self, message: Message) -> None:
         self.messages.append(message)
         self.chain.add(message.to_json())
 
-    def _record(
+    def record(
         self, step_id: str, phase: Phase, record: Payload | None, decision: Decision | None = None
     ) -> StepEvent:
         payload = SUBMITTED if record is None else record.to_json()
@@ -761,7 +535,7 @@ class _Pass:
         self.pending.append(event)
         return event
 
-    async def _flush(self, status: RunStatus | None = None) -> None:
+    async def flush(self, status: RunStatus | None = None) -> None:
         """Make the pending records durable in one transaction, then release their steps."""
         events, self.pending = self.pending, []
         phases = {(e.phase, step_ids.is_tool(e.step_id)) for e in events}
@@ -827,21 +601,6 @@ class _Marker:
             )
 
 
-def _argument_problem(
-    call: ToolCall, tool: Tool | None
-) -> tuple[str | None, dict[str, Any] | None]:
-    """Why a call cannot run at all (unknown tool, arguments JSON cannot carry or that
-    do not fit), or the validated keyword arguments to call the tool with."""
-    if tool is None:
-        return f"unknown tool {call.name!r}", None
-    if call.problem:
-        return call.problem, None
-    try:
-        return None, tool.validate(call.arguments)
-    except ToolArgumentsError as exc:
-        return str(exc), None
-
-
 def _digests(tools: Iterable[Tool]) -> dict[str, str]:
     """Each tool's name and a digest of its schema and source: what m1 records of them."""
     return {t.name: fingerprint([t.schema.to_json(), t.source])[:16] for t in tools}
@@ -867,23 +626,3 @@ def _status_after(step: Step | StreamEvent, status: str) -> str:
     if isinstance(step, BudgetStep):
         return "over_budget"
     return status
-
-
-def _awaiting_approval(run_id: str, step_id: str, call: ToolCall, frozen: Intent) -> list[Step]:
-    """What a caller is shown of a call that waits for a person's approval."""
-    return [
-        ToolStep(
-            run_id=run_id,
-            step_id=step_id,
-            call=call,
-            decision=Decision.REQUIRE_APPROVAL,
-            status="awaiting_approval",
-        ),
-        ApprovalStep(
-            run_id=run_id,
-            step_id=step_id,
-            call=call,
-            fingerprint=frozen.fp,
-            prepared=frozen.prepared,
-        ),
-    ]

@@ -363,7 +363,7 @@ class Final:
         )
 
 
-# Any payload type: what ``_Pass._record`` takes.
+# Any payload type: what ``_Pass.record`` takes.
 
 
 def usage_of(payload: Mapping[str, Any]) -> tuple[int, int, int, int, float] | None:

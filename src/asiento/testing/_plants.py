@@ -43,7 +43,7 @@ def _no_write_ahead(postgres: bool) -> None:
     from .. import agent
     from ..events import Phase
 
-    original: Callable[..., Any] = agent._Pass._record
+    original: Callable[..., Any] = agent._Pass.record
 
     @functools.wraps(original)
     def record(self: Any, step_id: str, phase: Phase, payload: Any, decision: Any = None) -> Any:
@@ -52,7 +52,7 @@ def _no_write_ahead(postgres: bool) -> None:
             self.pending.remove(event)  # the bug: the effect starts with no write-ahead
         return event
 
-    agent._Pass._record = record  # type: ignore[method-assign,assignment]
+    agent._Pass.record = record  # type: ignore[method-assign,assignment]
 
 
 def _no_fencing(postgres: bool) -> None:
@@ -88,11 +88,10 @@ def _stale_status(postgres: bool) -> None:
 
     async def wait_for(
         self: Any, status: RunStatus, step_id: str, phase: Phase, reason: str | None = None
-    ) -> bool:
+    ) -> None:
         await self.store.set_status(self.run_id, status)  # the bug: no fence, no condition
-        return True
 
-    agent._Pass._wait_for = wait_for  # type: ignore[method-assign]
+    agent._Pass.wait_for = wait_for  # type: ignore[method-assign]
 
 
 def _unfenced_abandon(postgres: bool) -> None:
