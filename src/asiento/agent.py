@@ -7,27 +7,22 @@ tool runs, and the tool result before the next model call depends on it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import replace
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal, cast, overload
 
 from . import budget as budgets
 from . import shutdown, step_ids
 from ._canonical import (
     FingerprintChain,
-    fingerprint,
-    model_key,
 )
 from ._crash import crash_point
+from ._model_steps import ModelSteps, digests
 from ._tool_steps import NOT_STARTED, ToolSteps
 from .errors import (
     AsientoError,
-    DuplicateRecord,
     LeaseLost,
     MaxTurnsExceeded,
-    ReplayDivergence,
     UsageError,
 )
 from .events import (
@@ -36,38 +31,25 @@ from .events import (
     Decision,
     FinalStep,
     Lease,
-    ModelStep,
     Phase,
     RunStatus,
     Step,
     StepEvent,
 )
-from .ledger import cost_of
 from .model import (
-    ConversationPrefix,
     Message,
-    ModelRequest,
     ModelResponse,
-    check_response,
 )
 from .payloads import (
     SUBMITTED,
     Final,
-    ModelResult,
     Payload,
-    StreamAttempt,
 )
 from .policy import Policy, allow_all
-from .replay import index, tool_drift
+from .replay import index
 from .session import Session, abandonment
 from .streaming import (
-    Delta,
     StreamEvent,
-    StreamingGateway,
-    StreamRestart,
-    TextPart,
-    ToolCallPart,
-    whole_parts,
 )
 from .telemetry import tracing
 from .tools import Tool
@@ -120,7 +102,7 @@ class Agent:
         # Tools from elsewhere (MCP) add what they depend on to the fingerprint, and m1
         # records their digests; a run of local tools keeps the records it always had.
         sources = {t.name: t.source for t in tools if t.source is not None}
-        self.digests: dict[str, str] | None = _digests(tools) if sources else None
+        self.digests: dict[str, str] | None = digests(tools) if sources else None
         if sources:
             self.head["sources"] = sources
 
@@ -170,7 +152,6 @@ class _Pass:
         self, agent: Agent, task: str, session: Session, *, streaming: bool = False
     ) -> None:
         self.agent, self.task, self.session = agent, task, session
-        self.streaming = streaming
         self.run_id, self.store, self.stats = session.run_id, session.store, session.stats
         self.chain = FingerprintChain(agent.head)
         self.messages: list[Message] = []
@@ -183,10 +164,9 @@ class _Pass:
         self.counted: set[str] = set()  # steps whose call or replay this pass counted
         self.unrecorded: list[StepEvent] = []  # records an append refused (lease lost)
         self.spent = budgets.Spent()  # what the model steps walked so far spent
-        self.restarted = False  # whether this pass announced its first asked step
-        self.budget_noted = False  # this pass recorded its budget in force (``ModelResult``)
         self.trace: tracing.PassTrace | tracing.Off = tracing.OFF
         self.tools = ToolSteps(self)
+        self.models = ModelSteps(self, streaming=streaming)
 
     async def steps(self) -> AsyncIterator[Step | StreamEvent]:
         # A claimed run was running when claimed; its walk's first read sees a final
@@ -287,7 +267,7 @@ class _Pass:
         for turn in range(1, self.agent.max_turns + 1):
             step_id = step_ids.model(turn)
             await self._boundary()
-            async for item in self._answer(step_id):
+            async for item in self.models.answer(step_id):
                 if isinstance(item, ModelResponse):
                     response = item
                 else:
@@ -325,96 +305,6 @@ class _Pass:
 
     # -- model steps ---------------------------------------------------------------
 
-    async def _model_step(self, step_id: str) -> ModelResponse:
-        fp = self.chain.value[:32]
-        recorded = self.journal.get(step_id, {}).get(Phase.RESULT)
-        if recorded is not None:
-            response = self._replay_model(step_id, fp, recorded)
-        else:
-            budget = await self._check_budget(step_id)
-            response = await self._call_model(step_id, fp, budget)
-        self.add(Message(role="assistant", content=response.text, tool_calls=response.tool_calls))
-        return response
-
-    async def _answer(self, step_id: str) -> AsyncIterator[StreamEvent | ModelResponse]:
-        """The model step's answer, last; streamed, its deltas before it."""
-        if self.streaming:
-            async for item in self._streamed_model_step(step_id):
-                yield item
-        else:
-            yield await self._model_step(step_id)
-
-    async def _streamed_model_step(
-        self, step_id: str
-    ) -> AsyncIterator[StreamEvent | ModelResponse]:
-        """``_model_step`` showing the answer as it comes; the response last.
-
-        A recorded answer is shown whole, marked replayed. Nothing is written before
-        the first delta: the step is durable only when its complete answer is.
-        """
-        fp = self.chain.value[:32]
-        recorded = self.journal.get(step_id, {}).get(Phase.RESULT)
-        attempt = self.lease.token if self.lease is not None else 0
-        if recorded is not None:
-            response = self._replay_model(step_id, fp, recorded)
-            for part in whole_parts(response):
-                yield Delta(
-                    run_id=self.run_id, step_id=step_id, attempt=attempt, part=part, replayed=True
-                )
-        else:
-            budget = await self._check_budget(step_id)
-            if attempt > 1 and not self.restarted:  # an earlier pass may have been cut here
-                self.restarted = True
-                yield StreamRestart(run_id=self.run_id, step_id=step_id, attempt=attempt)
-            key, request = self._request(step_id, fp)
-            gateway = self.session.gateway
-            with self.trace.asking(step_id, gateway, request):
-                if isinstance(gateway, StreamingGateway):
-                    answer: object = None
-                    marking = _Marker(self, step_id, attempt)
-                    try:
-                        async for item in gateway.stream(request, idempotency_key=key):
-                            if isinstance(item, TextPart | ToolCallPart):
-                                yield Delta(
-                                    run_id=self.run_id, step_id=step_id, attempt=attempt, part=item
-                                )
-                                marking.start()  # after the delta is shown: never before it
-                            else:
-                                answer = item
-                    finally:
-                        await marking.done()
-                    response = self._took(step_id, fp, key, answer, budget)
-                else:  # a gateway that cannot stream: its whole answer is one delta per part
-                    answer = await gateway.complete(request, idempotency_key=key)
-                    response = self._took(step_id, fp, key, answer, budget)
-            if not isinstance(gateway, StreamingGateway):
-                for part in whole_parts(response):
-                    yield Delta(run_id=self.run_id, step_id=step_id, attempt=attempt, part=part)
-        self.add(Message(role="assistant", content=response.text, tool_calls=response.tool_calls))
-        yield response
-
-    def _replay_model(self, step_id: str, fp: str, recorded: StepEvent) -> ModelResponse:
-        result = ModelResult.from_json(recorded.payload)
-        if result.fp != fp:
-            drift = None
-            if result.tools is not None:
-                drift = tool_drift(result.tools, _digests(self.agent.tools.values()))
-            raise ReplayDivergence(
-                self.run_id,
-                step_id,
-                drift
-                or f"the recorded request has fingerprint {result.fp[:12]}…, "
-                f"the resumed run would send {fp[:12]}…",
-            )
-        response = result.response
-        self.spent.add(result)
-        if self.first_time(step_id):  # a second walk replays what this pass counted
-            self.stats.model_calls_replayed += 1
-            self.stats.input_tokens_saved += response.usage.input_tokens
-            self.stats.output_tokens_saved += response.usage.output_tokens
-            self.stats.cost_saved += result.cost or 0.0
-        return response
-
     def first_time(self, step_id: str) -> bool:
         """Whether this pass counts ``step_id`` now (a call paid, or a replay saved)."""
         if step_id in self.counted:
@@ -422,60 +312,7 @@ class _Pass:
         self.counted.add(step_id)
         return True
 
-    async def _call_model(
-        self, step_id: str, fp: str, budget: budgets.Budget | None
-    ) -> ModelResponse:
-        key, request = self._request(step_id, fp)
-        gateway = self.session.gateway
-        with self.trace.asking(step_id, gateway, request):
-            answer = await gateway.complete(request, idempotency_key=key)
-            return self._took(step_id, fp, key, answer, budget)
-
-    def _request(self, step_id: str, fp: str) -> tuple[str, ModelRequest]:
-        """The step's idempotency key and the request the model is asked."""
-        key = model_key(self.run_id, step_id, fp)
-        messages = ConversationPrefix(self.messages, len(self.messages))  # never copied
-        request = ModelRequest(
-            instructions=self.agent.instructions, messages=messages, tools=self.agent.schemas
-        )
-        return key, request
-
-    def _where(self, step_id: str) -> str:
-        return f"run {self.run_id!r} step {step_id!r}"
-
-    def _took(
-        self, step_id: str, fp: str, key: str, answer: object, budget: budgets.Budget | None
-    ) -> ModelResponse:
-        """Count and record what the gateway answered (checked: garbage is a UsageError)."""
-        response = _with_call_ids(check_response(answer, where=self._where(step_id)), step_id)
-        self.counted.add(step_id)
-        self.stats.model_calls += 1
-        self.stats.input_tokens += response.usage.input_tokens
-        self.stats.output_tokens += response.usage.output_tokens
-        cost = cost_of(response.usage, response.model, self.session.prices)
-        self.stats.cost += cost or 0.0
-        repaid = 0 if response.kept else len(self._cut_attempts(step_id))
-        self.stats.model_calls_repaid += repaid
-        tools = self.agent.digests if step_id == step_ids.model(1) else None
-        noted = None if budget is None or self.budget_noted else budget.limits()
-        self.budget_noted = self.budget_noted or noted is not None
-        result = ModelResult(
-            fp=fp, response=response, cost=cost, repaid=repaid, tools=tools, budget=noted
-        )
-        self.spent.add(result)
-        self.trace.answered(result)
-        self.record(step_id, Phase.RESULT, result)
-        self.waiting.append(
-            ModelStep(run_id=self.run_id, step_id=step_id, response=response, idempotency_key=key)
-        )
-        return response
-
-    def _cut_attempts(self, step_id: str) -> list[str]:
-        """Earlier passes' streamed attempts of ``step_id``: each a generation paid and cut."""
-        mine = step_ids.streamed(step_id, self.lease.token if self.lease is not None else 0)
-        return [a for a in self.cuts.get(step_id, ()) if a != mine]
-
-    async def _check_budget(self, step_id: str) -> budgets.Budget | None:
+    async def check_budget(self, step_id: str) -> budgets.Budget | None:
         """Before a new (paid) call: stop, suspended and resumable, if the budget is spent;
         else the budget in force (None: the run has none).
 
@@ -485,7 +322,7 @@ class _Pass:
         """
         if self.agent.budget is None:
             return None
-        cut = len(self._cut_attempts(step_id))
+        cut = len(self.models.cut_attempts(step_id))
         checked = budgets.check(
             self.agent.budget, self.journal, self.spent, cut=cut, before=step_id
         )
@@ -563,58 +400,6 @@ class _Pass:
     def _drain(self) -> list[Step]:
         out, self.out = self.out, []
         return out
-
-
-class _Marker:
-    """Writes a streamed attempt's marker while the stream goes on, never before a delta.
-
-    The append runs beside the stream; it is awaited when the stream ends (however
-    it ends), so the next record of the pass comes after it. A marker lost with the
-    process (killed before it was durable) only makes a re-paid call go uncounted.
-    """
-
-    def __init__(self, run: _Pass, step_id: str, attempt: int) -> None:
-        self.run, self.step_id, self.attempt = run, step_id, attempt
-        self.task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        if self.task is not None:
-            return
-        event = StepEvent(
-            run_id=self.run.run_id,
-            step_id=step_ids.streamed(self.step_id, self.attempt),
-            phase=Phase.SUBMITTED,
-            payload=StreamAttempt(attempt=self.attempt).to_json(),
-        )
-        self.task = asyncio.create_task(self.run.store.append(event, lease=self.run.lease))
-
-    async def done(self) -> None:
-        if self.task is None:
-            return
-        try:
-            await asyncio.shield(self.task)
-        except DuplicateRecord:
-            pass  # the marker of this very pass, written by an earlier walk of it
-        except AsientoError as exc:  # the stream's own outcome decides what happens next
-            log.warning(
-                "run %r: could not mark the streamed %s: %s", self.run.run_id, self.step_id, exc
-            )
-
-
-def _digests(tools: Iterable[Tool]) -> dict[str, str]:
-    """Each tool's name and a digest of its schema and source: what m1 records of them."""
-    return {t.name: fingerprint([t.schema.to_json(), t.source])[:16] for t in tools}
-
-
-def _with_call_ids(response: ModelResponse, step_id: str) -> ModelResponse:
-    """Give every tool call an id, so tool results can name the call they answer."""
-    if all(c.id for c in response.tool_calls):
-        return response
-    calls = [
-        c if c.id else replace(c, id=step_ids.tool(step_id, i))
-        for i, c in enumerate(response.tool_calls, 1)
-    ]
-    return replace(response, tool_calls=calls)
 
 
 def _status_after(step: Step | StreamEvent, status: str) -> str:
