@@ -240,6 +240,12 @@ async def test_what_cannot_be_exactly_once_is_refused(tmp_path: Path) -> None:
         await _run(streaming.compile(), tmp_path / "c.db")
     with pytest.raises(UsageError, match=r"takes a compiled LangGraph graph"):
         await _run(object(), tmp_path / "d.db")
+    # A string where tool names go: its letters would be read as names, so it is refused.
+    plain = build(ScriptedChat(), tools)
+    with pytest.raises(UsageError, match=r"idempotent=\.\.\.\) takes names .*got str 'lookup'"):
+        await _run(plain, tmp_path / "e.db", idempotent="lookup")
+    with pytest.raises(UsageError, match=r"non-empty str names, got 3"):
+        await _run(plain, tmp_path / "e.db", idempotent=["lookup", 3])
 
 
 async def test_a_tool_called_inside_a_node_is_a_step_too(tmp_path: Path) -> None:

@@ -371,8 +371,9 @@ def _plain(x: int) -> int:
     [
         ([slow], (), "timeout_seconds"),
         ([_plain], ("nope",), "'nope'"),
+        ([_plain], "_plain", r"idempotent_tools=\.\.\.\) takes names .*got str '_plain'"),
     ],
-    ids=["timeout", "unknown-idempotent"],
+    ids=["timeout", "unknown-idempotent", "one-string"],
 )
 async def test_what_would_repeat_silently_is_refused(
     provider: FakeProvider,
@@ -380,10 +381,11 @@ async def test_what_would_repeat_silently_is_refused(
     clients: list[openai.AsyncOpenAI],
     *,
     tools: list[Any],
-    idempotent: tuple[str, ...],
+    idempotent: tuple[str, ...] | str,
     match: str,
 ) -> None:
-    """A tool the SDK could cancel mid-effect, a misnamed idempotent tool: UsageError."""
+    """A tool the SDK could cancel mid-effect, a misnamed idempotent tool, a string
+    where names go (its letters would be read as tool names): UsageError."""
     agent = Agent(name="a", model=_model(provider, clients), tools=tools)
     store = SqliteCheckpointer(tmp_path / "runs.db")
     try:

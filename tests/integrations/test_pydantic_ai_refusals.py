@@ -51,3 +51,34 @@ async def test_a_model_request_the_agent_would_stream_is_refused(tmp_path: Path)
         assert await store.load("streamed") == []
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize(
+    ("given", "match"),
+    [
+        ({"idempotent": "lookup"}, r"idempotent=\.\.\.\) takes names .*got str 'lookup'"),
+        ({"trusted_mcp": "bank"}, r"trusted_mcp=\.\.\.\) takes names .*got str 'bank'"),
+        ({"idempotent": ["lookup", None]}, r"non-empty str names, got None"),
+    ],
+    ids=["idempotent-string", "trusted-string", "not-a-name"],
+)
+async def test_a_string_where_tool_names_go_is_refused(
+    tmp_path: Path, given: dict[str, Any], match: str
+) -> None:
+    """``idempotent="lookup"`` would be read letter by letter (a tool named ``o`` run again
+    after a crash): refused before the model is asked, nothing recorded."""
+    asked: list[str] = []
+
+    def answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        asked.append("asked")
+        return ModelResponse(parts=[TextPart("hello")])
+
+    agent: Agent[None, str] = Agent(FunctionModel(answer))
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        with pytest.raises(UsageError, match=match):
+            await durable_run(agent, "hi", run_id="named", store=store, **given)
+        assert asked == []
+        assert await store.load("named") == []
+    finally:
+        await store.close()

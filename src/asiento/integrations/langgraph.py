@@ -51,6 +51,7 @@ from ..replay import index
 from ..session import RunStats, Session
 from . import _langgraph_pass, _langgraph_state
 from ._langgraph_pass import GraphPass, revive
+from ._names import names
 from ._worker import abandonment, pass_end
 
 __all__ = ["DurableResult", "WorkerAgent", "durable_run"]
@@ -138,8 +139,7 @@ class _Options:
                 f"{who}(graph=...) takes a compiled LangGraph graph (builder.compile()), "
                 f"got {type(graph).__name__}"
             )
-        if isinstance(idempotent, str):
-            raise UsageError(f"{who}(idempotent=...) takes tool names, not one string")
+        tools = names(idempotent, who=who, parameter="idempotent")
         if config is not None and not isinstance(config, Mapping):
             raise UsageError(f"{who}(config=...) takes a mapping (RunnableConfig)")
         _check_configurable(dict(config or {}).get("configurable"), who)
@@ -147,7 +147,7 @@ class _Options:
             raise UsageError(f"{who}(policy=...) takes a policy (a callable of a ToolCall)")
         digest = _graph_digest(graph, who)
         _langgraph_state.check(graph, who)
-        return cls(frozenset(idempotent), dict(config or {}), digest, policy)
+        return cls(tools, dict(config or {}), digest, policy)
 
 
 def _check_configurable(configurable: Any, who: str) -> None:

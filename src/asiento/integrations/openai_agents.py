@@ -61,6 +61,7 @@ from ..telemetry.tracing import (
 )
 from . import _oa_wire as wire
 from ._commits import HeldCommits
+from ._names import names
 from ._traced import traced_pass
 from ._worker import pass_end, shown
 
@@ -121,7 +122,8 @@ async def durable_run(
         raise UsageError("durable_run(input=...) takes the task as a str")
     session = Session(run_id, _SdkModels(), store, lease_ttl=lease_ttl, lease=lease)
     traced = telemetry_of(telemetry, "durable_run")
-    options = _Options(frozenset(idempotent_tools), run_config, context, max_turns, tracing, traced)
+    tools = names(idempotent_tools, who="durable_run", parameter="idempotent_tools")
+    options = _Options(tools, run_config, context, max_turns, tracing, traced)
     return await _pass(agent, input, session, options)
 
 
@@ -192,9 +194,8 @@ class WorkerAgent:
             raise UsageError(f"WorkerAgent() takes an agents.Agent, got {type(agent).__name__}")
         self.agent = agent
         traced = telemetry_of(telemetry, "WorkerAgent")
-        self.options = _Options(
-            frozenset(idempotent_tools), run_config, context, max_turns, tracing, traced
-        )
+        tools = names(idempotent_tools, who="WorkerAgent", parameter="idempotent_tools")
+        self.options = _Options(tools, run_config, context, max_turns, tracing, traced)
 
     async def run(self, task: str, *, session: Session) -> AsyncIterator[Step]:
         """The pass's end as the worker counts it: a ``FinalStep``, or the ``ApprovalStep``

@@ -54,6 +54,7 @@ from ..payloads import (
 from ..replay import index
 from ..session import RunStats, Session
 from ..telemetry.tracing import Telemetry, telemetry_of
+from ._names import names
 from ._pydantic_ai_pass import MESSAGES_KEY, OUTPUT_KEY, Pass
 from ._pydantic_ai_records import (
     load_messages,
@@ -285,7 +286,9 @@ def _options(  # noqa: PLR0917 (durable_run's and WorkerAgent's own arguments, i
         raise UsageError(f"{who}(): the agent has no model; pass model=...")
     honours = _honours(honours_keys, who=who)
     traced = telemetry_of(telemetry, who)
-    return _Options(chosen, frozenset(idempotent), frozenset(trusted_mcp), deps, honours, traced)
+    tools = names(idempotent, who=who, parameter="idempotent")
+    trusted = names(trusted_mcp, who=who, parameter="trusted_mcp")
+    return _Options(chosen, tools, trusted, deps, honours, traced)
 
 
 def _honours(declared: Mapping[str, float | None] | None, *, who: str) -> dict[str, float | None]:
