@@ -67,3 +67,25 @@ async def test_require_approval_for_names() -> None:
 async def test_allow_all_allows() -> None:
     """The default policy allows every call."""
     assert await ask_policy(allow_all, CALL) is Decision.ALLOW
+
+
+class _ToolLike:
+    name = "pay"
+
+
+@pytest.mark.parametrize(
+    ("given", "match"),
+    [
+        ((["send_mail", "pay"],), r"each tool's name as an argument"),
+        ((_ToolLike(),), r"require_approval_for\(\.\.\.\) takes non-empty str names"),
+        (("",), r"non-empty str names, got ''"),
+    ],
+    ids=["a-list", "a-tool-object", "empty"],
+)
+def test_require_approval_for_refuses_what_would_match_no_call(
+    given: tuple[object, ...], match: str
+) -> None:
+    """A tool object or a list would match no call's name: the tool would run with
+    nobody's approval. Refused when the policy is made, naming what was given."""
+    with pytest.raises(UsageError, match=match):
+        require_approval_for(*given)  # type: ignore[arg-type]

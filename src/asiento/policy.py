@@ -6,6 +6,7 @@ import inspect
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
 
+from ._names import names as tool_names
 from .errors import UsageError
 from .events import Decision
 from .model import ToolCall
@@ -24,8 +25,17 @@ def allow_all(call: ToolCall) -> Decision:
 
 
 def require_approval_for(*names: str) -> Policy:
-    """A policy that asks a person before any of ``names`` runs, and allows the rest."""
-    wanted = frozenset(names)
+    """A policy that asks a person before any of ``names`` runs, and allows the rest.
+
+    Each name is a tool's name (a str): anything else (a tool object, a list) would
+    match no call, and the tool would run without anyone's approval, so it is refused.
+    """
+    if len(names) == 1 and not isinstance(names[0], str) and isinstance(names[0], Iterable):
+        raise UsageError(
+            "require_approval_for(...) takes each tool's name as an argument: "
+            "require_approval_for('refund', 'transfer'), not a list of them"
+        )
+    wanted = tool_names(names, where="require_approval_for(...)")
 
     def policy(call: ToolCall) -> Decision:
         return Decision.REQUIRE_APPROVAL if call.name in wanted else Decision.ALLOW

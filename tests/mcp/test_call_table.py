@@ -163,3 +163,11 @@ def test_a_ttl_that_is_not_positive_is_refused(tmp_path: Path, ttl: float) -> No
     """A TTL of zero or less would forget every key at once: a usage error naming ttl."""
     with pytest.raises(UsageError, match="ttl"):
         IdempotencyKeys(tmp_path / "calls.db", ttl=ttl)
+
+
+def test_one_string_of_tools_is_refused(tmp_path: Path) -> None:
+    """``tools="transfer"`` would limit deduplication to tools named ``t``, ``r``...: the
+    transfer itself would run again under a repeated key. Refused, naming the parameter."""
+    with pytest.raises(UsageError, match=r"IdempotencyKeys\(tools=\.\.\.\) takes names"):
+        IdempotencyKeys(tmp_path / "calls.db", ttl=60, tools="transfer")
+    assert not (tmp_path / "calls.db").exists()  # refused before any file is made

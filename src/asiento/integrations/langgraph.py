@@ -41,6 +41,7 @@ from langgraph.types import Command
 
 from .. import step_ids
 from .._canonical import fingerprint
+from .._names import names
 from ..errors import LeaseLost, UsageError
 from ..events import Lease, Phase, RunStatus, Step, StepEvent
 from ..journal.base import Checkpointer
@@ -51,7 +52,6 @@ from ..replay import index
 from ..session import RunStats, Session
 from . import _langgraph_pass, _langgraph_state
 from ._langgraph_pass import GraphPass, revive
-from ._names import names
 from ._worker import abandonment, pass_end
 
 __all__ = ["DurableResult", "WorkerAgent", "durable_run"]
@@ -139,7 +139,7 @@ class _Options:
                 f"{who}(graph=...) takes a compiled LangGraph graph (builder.compile()), "
                 f"got {type(graph).__name__}"
             )
-        tools = names(idempotent, who=who, parameter="idempotent")
+        tools = names(idempotent, where=f"{who}(idempotent=...)")
         if config is not None and not isinstance(config, Mapping):
             raise UsageError(f"{who}(config=...) takes a mapping (RunnableConfig)")
         _check_configurable(dict(config or {}).get("configurable"), who)

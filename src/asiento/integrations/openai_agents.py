@@ -43,6 +43,7 @@ from agents.tool_context import ToolContext
 from .. import outcomes, step_ids
 from .._canonical import fingerprint, key_header, model_key
 from .._crash import crash_point
+from .._names import names
 from ..errors import AsientoError, ReplayDivergence, UncertainEffect, UsageError
 from ..events import Decision, Lease, Phase, RunStatus, Step, StepEvent
 from ..journal.base import Checkpointer
@@ -61,7 +62,6 @@ from ..telemetry.tracing import (
 )
 from . import _oa_wire as wire
 from ._commits import HeldCommits
-from ._names import names
 from ._traced import traced_pass
 from ._worker import pass_end, shown
 
@@ -122,7 +122,7 @@ async def durable_run(
         raise UsageError("durable_run(input=...) takes the task as a str")
     session = Session(run_id, _SdkModels(), store, lease_ttl=lease_ttl, lease=lease)
     traced = telemetry_of(telemetry, "durable_run")
-    tools = names(idempotent_tools, who="durable_run", parameter="idempotent_tools")
+    tools = names(idempotent_tools, where="durable_run(idempotent_tools=...)")
     options = _Options(tools, run_config, context, max_turns, tracing, traced)
     return await _pass(agent, input, session, options)
 
@@ -194,7 +194,7 @@ class WorkerAgent:
             raise UsageError(f"WorkerAgent() takes an agents.Agent, got {type(agent).__name__}")
         self.agent = agent
         traced = telemetry_of(telemetry, "WorkerAgent")
-        tools = names(idempotent_tools, who="WorkerAgent", parameter="idempotent_tools")
+        tools = names(idempotent_tools, where="WorkerAgent(idempotent_tools=...)")
         self.options = _Options(tools, run_config, context, max_turns, tracing, traced)
 
     async def run(self, task: str, *, session: Session) -> AsyncIterator[Step]:

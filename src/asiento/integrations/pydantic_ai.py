@@ -39,6 +39,7 @@ from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.settings import ModelSettings
 from pydantic_ai.toolsets import AbstractToolset, ToolsetTool, WrapperToolset
 
+from .._names import names
 from ..effects.base import key_margin_of
 from ..errors import (
     AsientoError,
@@ -54,7 +55,6 @@ from ..payloads import (
 from ..replay import index
 from ..session import RunStats, Session
 from ..telemetry.tracing import Telemetry, telemetry_of
-from ._names import names
 from ._pydantic_ai_pass import MESSAGES_KEY, OUTPUT_KEY, Pass
 from ._pydantic_ai_records import (
     load_messages,
@@ -286,8 +286,8 @@ def _options(  # noqa: PLR0917 (durable_run's and WorkerAgent's own arguments, i
         raise UsageError(f"{who}(): the agent has no model; pass model=...")
     honours = _honours(honours_keys, who=who)
     traced = telemetry_of(telemetry, who)
-    tools = names(idempotent, who=who, parameter="idempotent")
-    trusted = names(trusted_mcp, who=who, parameter="trusted_mcp")
+    tools = names(idempotent, where=f"{who}(idempotent=...)")
+    trusted = names(trusted_mcp, where=f"{who}(trusted_mcp=...)")
     return _Options(chosen, tools, trusted, deps, honours, traced)
 
 

@@ -33,6 +33,7 @@ from mcp.shared.exceptions import MCPError, UrlElicitationRequiredError
 from mcp_types import INTERNAL_ERROR, CallToolResult, TextContent
 
 from asiento._canonical import fingerprint
+from asiento._names import names
 from asiento.errors import UsageError
 from asiento.mcp._calls import CallKey, CallTable, Seen
 from asiento.mcp._keys import (
@@ -79,8 +80,8 @@ class IdempotencyKeys:
         lease: float | timedelta = 30.0,
         scope: Callable[[ServerRequestContext[Any, Any]], str] | None = None,
     ) -> None:
+        self._tools = None if tools is None else names(tools, where="IdempotencyKeys(tools=...)")
         self._calls = CallTable(path, ttl=_seconds("ttl", ttl), lease=_seconds("lease", lease))
-        self._tools = None if tools is None else frozenset(tools)
         self._renewer = _Renewer(self._calls)
         self._scope = scope
 
