@@ -81,8 +81,10 @@ class Agent:
         names = [t.name for t in tools]
         if len(set(names)) != len(names):
             raise UsageError(f"Agent(tools=...) has two tools with the same name: {names}")
-        if max_turns < 1:
-            raise UsageError("Agent(max_turns=...) must be at least 1")
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+            raise UsageError(
+                f"Agent(max_turns=...) must be an int of at least 1, got {max_turns!r}"
+            )
         if budget is not None and not isinstance(budget, budgets.Budget):
             raise UsageError(f"Agent(budget=...) takes a Budget(...), got {budget!r}")
         if not isinstance(name, str):

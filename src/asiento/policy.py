@@ -50,7 +50,16 @@ def require_approval_for_destructive(tools: Iterable[Tool]) -> Policy:
     tool by its annotations (``destructiveHint`` true or absent, not read-only), every
     tool of an untrusted server. Local tools and the rest are allowed.
     """
-    return require_approval_for(*(t.name for t in tools if t.destructive))
+    from .tools import Tool
+
+    given = [tools] if isinstance(tools, str) else list(tools)
+    wrong = [t for t in given if not isinstance(t, Tool)]
+    if wrong:
+        raise UsageError(
+            "require_approval_for_destructive(tools) takes the agent's tools (@tool "
+            f"functions, MCP tools), got {wrong[0]!r:.80}"
+        )
+    return require_approval_for(*(t.name for t in given if t.destructive))
 
 
 async def ask_policy(policy: Policy, call: ToolCall) -> Decision:

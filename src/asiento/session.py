@@ -29,7 +29,7 @@ from .payloads import Final
 from .shutdown import ShutdownRequested
 from .shutdown import requested as shutdown_requested
 from .telemetry import metrics
-from .tools import check_timeout
+from .tools import check_seconds, check_timeout
 
 log = logging.getLogger("asiento")
 
@@ -100,8 +100,9 @@ class Session:
             raise UsageError(
                 f"store {store!r} is not a Checkpointer: it lacks {', '.join(missing)}"
             )
-        if not lease_ttl > 0 or wait < 0:
-            raise UsageError("Session(lease_ttl=...) must be > 0 and wait=... >= 0 seconds")
+        check_seconds(lease_ttl, "Session(lease_ttl=...)")
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not wait >= 0:
+            raise UsageError(f"Session(wait=...) takes seconds >= 0, got {wait!r}")
         self.gateway = gateway
         self.store = store
         self.lease_ttl = lease_ttl

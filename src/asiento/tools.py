@@ -375,6 +375,15 @@ async def within(step: Awaitable[_T], seconds: float | None, tool: str) -> _T:
         raise
 
 
+def check_seconds(seconds: Any, where: str) -> float:
+    """A duration that must be given (a lease, a grace period), or ``UsageError``."""
+    if seconds is None or isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise UsageError(f"{where} takes seconds (a number > 0), got {seconds!r}")
+    checked = check_timeout(seconds, where)
+    assert checked is not None
+    return checked
+
+
 def check_timeout(seconds: Any, where: str) -> float | None:
     """A timeout as given (None: none), or ``UsageError`` naming ``where``."""
     if seconds is None:

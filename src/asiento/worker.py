@@ -32,7 +32,7 @@ from .lease import Holder
 from .model import Gateway
 from .session import Session, give_back
 from .telemetry import metrics, tracing
-from .tools import check_timeout, tool_threads_at_least
+from .tools import check_seconds, check_timeout, tool_threads_at_least
 
 log = logging.getLogger("asiento.worker")
 
@@ -87,9 +87,23 @@ class App:
     shutdown_grace: float = 25.0
 
     def __post_init__(self) -> None:
+        # Refused here, not at each run: a bad value would fail every run's pass and
+        # park them all after max_attempts.
+        if not isinstance(self.agents, Mapping) or not all(
+            isinstance(name, str) and callable(getattr(agent, "run", None))
+            for name, agent in self.agents.items()
+        ):
+            raise UsageError(
+                "App(agents=...) takes a mapping of names to agents "
+                f"({{'default': Agent(...)}}), got {self.agents!r:.100}"
+            )
+        check_seconds(self.lease_ttl, "App(lease_ttl=...)")
+        for name, least in (("max_attempts", 1), ("max_lapses", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise UsageError(f"App({name}=...) takes an int >= {least}, got {value!r}")
         check_timeout(self.tool_timeout, "App(tool_timeout=...)")
-        if check_timeout(self.shutdown_grace, "App(shutdown_grace=...)") is None:
-            raise UsageError("App(shutdown_grace=...) takes seconds > 0, not None")
+        check_seconds(self.shutdown_grace, "App(shutdown_grace=...)")
 
     def gateway_for(self) -> Gateway:
         """The gateway itself, or a new one from its factory (one per run driven)."""
