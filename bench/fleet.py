@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -385,22 +387,44 @@ def local_server(pin: bool = False) -> Iterator[str]:
 
 
 class _SlowModel:
-    """A model that takes ``latency`` seconds per answer, as a remote one would."""
+    """A model that takes ``latency`` seconds per answer, as a remote one would; with
+    ``jitter`` J, each answer takes latency x U(1-J, 1+J), drawn from its run and step
+    (``answer_seconds``), so the same answer takes the same time in every run."""
 
-    def __init__(self, inner: ScriptedGateway, latency: float) -> None:
-        self.inner, self.latency = inner, latency
+    def __init__(self, inner: ScriptedGateway, latency: float, jitter: float = 0.0) -> None:
+        self.inner, self.latency, self.jitter = inner, latency, jitter
 
     async def complete(self, request: ModelRequest, *, idempotency_key: str) -> ModelResponse:
-        await asyncio.sleep(self.latency)
+        run_id, step_id, _ = idempotency_key.split(":", 2)
+        await asyncio.sleep(answer_seconds(run_id, step_id, self.latency, self.jitter))
         return await self.inner.complete(request, idempotency_key=idempotency_key)
 
 
+def answer_seconds(run_id: str, step_id: str, latency: float, jitter: float) -> float:
+    """How long the model takes to answer step ``step_id`` of ``run_id``."""
+    if not jitter:
+        return latency
+    draw = random.Random(f"{run_id}/{step_id}").uniform(1 - jitter, 1 + jitter)
+    return latency * draw
+
+
+def ideal_seconds(run_ids: list[str], concurrency: int, latency: float, jitter: float) -> float:
+    """The time the runs would take with nothing but the model's answers: each run's two
+    answers back to back, the runs taken oldest first by ``concurrency`` slots."""
+    slots = [0.0] * concurrency
+    for run_id in run_ids:
+        took = sum(answer_seconds(run_id, s, latency, jitter) for s in ("m1", "m2"))
+        heapq.heappush(slots, heapq.heappop(slots) + took)
+    return max(slots)
+
+
 async def _one_sqlite_worker(
-    path: Path, runs: int, concurrency: int, latency: float
+    path: Path, runs: int, concurrency: int, latency: float, jitter: float = 0.0
 ) -> dict[str, Any]:
     store = await open_store(str(path))
-    for n in range(runs):
-        await submit(store, f"run-{n:05d}", f"task {n}")
+    run_ids = [f"run-{n:05d}" for n in range(runs)]
+    for n, run_id in enumerate(run_ids):
+        await submit(store, run_id, f"task {n}")
 
     @tool
     def step(n: int) -> str:
@@ -410,7 +434,7 @@ async def _one_sqlite_worker(
     counted = Counted(store)
     app = App(
         agents={"default": Agent(tools=[step])},
-        gateway=lambda: _SlowModel(script(1), latency),
+        gateway=lambda: _SlowModel(script(1), latency, jitter),
     )
     worker = Worker(counted, app, poll=0.05, concurrency=concurrency)  # type: ignore[arg-type]
     started = time.monotonic()
@@ -418,6 +442,7 @@ async def _one_sqlite_worker(
     seconds = time.monotonic() - started
     await store.close()
     steps = 3 * runs  # 2 model steps and 1 tool step a run
+    ideal = ideal_seconds(run_ids, concurrency, latency, jitter)
     model_steps = 2 * runs
     return {
         "concurrency": concurrency,
@@ -425,20 +450,26 @@ async def _one_sqlite_worker(
         "closed": worker.stats.closed,
         "steps_per_s": steps / seconds,
         "model_steps_per_s": model_steps / seconds,
-        "ideal_model_steps_per_s": concurrency / latency,
+        "ideal_model_steps_per_s": model_steps / ideal,
         "commits_per_step": counted.writes / steps,
     }
 
 
-def concurrency_table(folder: Path, levels: list[int], latency: float, runs_per_slot: int) -> None:
+def concurrency_table(
+    folder: Path, levels: list[int], latency: float, runs_per_slot: int, jitter: float = 0.0
+) -> None:
     """One process on SQLite at each concurrency: steps/s against the ideal, commits a step."""
     rows = []
     for level in levels:
         runs = max(8, level * runs_per_slot)
         path = folder / f"concurrency-{level}.db"
-        rows.append(asyncio.run(_one_sqlite_worker(path, runs, level, latency)))
+        rows.append(asyncio.run(_one_sqlite_worker(path, runs, level, latency, jitter)))
     base = rows[0]["model_steps_per_s"]
-    print(f"\none worker process on SQLite, model latency {latency * 1000:.0f} ms, 3 steps a run")
+    spread = f" x U({1 - jitter:g}, {1 + jitter:g})" if jitter else ""
+    print(
+        f"\none worker process on SQLite, model latency {latency * 1000:.0f} ms{spread},"
+        " 3 steps a run"
+    )
     print(
         f"{'concurrency':>11} {'runs':>6} {'closed':>6} {'steps/s':>9} {'model/s':>9}"
         f" {'ideal':>8} {'of_ideal':>8} {'vs_c1':>7} {'commits/step':>12}"
@@ -452,7 +483,8 @@ def concurrency_table(folder: Path, levels: list[int], latency: float, runs_per_
             f" {row['model_steps_per_s'] / base:>7.1f} {row['commits_per_step']:>12.2f}"
         )
     print(
-        "\nideal: concurrency / latency model answers a second. commits/step: the store's write"
+        "\nideal: model answers a second if the runs took nothing but the model's time"
+        "\n(concurrency / latency without --jitter). commits/step: the store's write"
         "\ntransactions (claims, appends, renewals, releases, status changes) per step."
     )
 
@@ -473,6 +505,12 @@ def main() -> None:
         help="one SQLite worker process at each concurrency, e.g. 1,16,64,256 (no PostgreSQL)",
     )
     parser.add_argument("--latency", type=float, help="model latency, s (0.1 with concurrency)")
+    parser.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        help="--concurrency-table: each answer takes latency x U(1-J, 1+J) (0: all alike)",
+    )
     parser.add_argument(
         "--concurrency",
         type=int,
@@ -502,7 +540,8 @@ def main() -> None:
         levels = [int(c) for c in args.concurrency_table.split(",")]
         with tempfile.TemporaryDirectory(dir=args.dir) as folder:
             latency = 0.1 if args.latency is None else args.latency
-            concurrency_table(Path(folder), levels, latency, 2 if args.quick else 4)
+            runs_per_slot = 2 if args.quick else 4
+            concurrency_table(Path(folder), levels, latency, runs_per_slot, args.jitter)
         return
     runs = args.runs or (300 if args.quick else 1500)
     sizes = [int(w) for w in args.workers.split(",")]

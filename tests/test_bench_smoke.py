@@ -45,10 +45,13 @@ def test_quick_bench_reports_two_commits_per_model_tool_step(tmp_path: Path) -> 
             assert float(row["µs/step"]) > 0, done.stdout
 
 
-def test_fleet_concurrency_table_closes_every_run(tmp_path: Path) -> None:
-    """`bench/fleet.py --concurrency-table` drives every run to its end at each level."""
+@pytest.mark.parametrize("jitter", ["0", "0.5"])
+def test_fleet_concurrency_table_closes_every_run(tmp_path: Path, jitter: str) -> None:
+    """`bench/fleet.py --concurrency-table` drives every run to its end at each level
+    (`--jitter`: answers of unequal times, against the ideal of those times)."""
     bench = BENCH.parent / "fleet.py"
     options = ["--concurrency-table", "1,4", "--quick", "--latency", "0.01", "--dir", str(tmp_path)]
+    options += ["--jitter", jitter]
     done = subprocess.run(
         [sys.executable, str(bench), *options],
         capture_output=True,
@@ -60,6 +63,8 @@ def test_fleet_concurrency_table_closes_every_run(tmp_path: Path) -> None:
     for level, runs in (("1", "8"), ("4", "8")):
         row = _table_row(done.stdout, "concurrency", level)
         assert (row["runs"], row["closed"]) == (runs, runs), row
+        assert 0 < float(row["of_ideal"]) < 1.5, row
+    assert ("x U(0.5, 1.5)" in done.stdout) == (jitter == "0.5"), done.stdout
 
 
 def test_worker_loop_bench_closes_every_run(tmp_path: Path) -> None:
