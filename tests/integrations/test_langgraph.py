@@ -29,6 +29,7 @@ from asiento import (
 from asiento.events import Phase
 from asiento.integrations.langgraph import WorkerAgent, durable_run
 from asiento.testing import ScriptedGateway
+from sqlite_files import record_commits
 
 from .langgraph_graph import ASKED, TASK, ScriptedChat, build, lines, make_tools
 
@@ -87,6 +88,22 @@ async def test_a_graph_runs_once_and_a_closed_run_replays_its_state(tmp_path: Pa
     ]
     assert run.status == RunStatus.CLOSED
     assert (run.model_calls, run.input_tokens) == (3, 33)
+
+
+async def test_each_model_and_tool_step_costs_two_commits_and_the_close_one(
+    tmp_path: Path,
+) -> None:
+    """As a native run: an answer rides with its tool's intent and submitted, the tool's
+    outcome is one commit, and the last answer rides with the final record."""
+    store = SqliteCheckpointer(tmp_path / "j.db")
+    try:
+        commits = record_commits(store)
+        graph = build(ScriptedChat(), make_tools(tmp_path / "ledger"))
+        await durable_run(graph, INPUT, run_id="r1", store=store)
+    finally:
+        await store.close()
+    # (m1, intent, submitted), result, (m2, intent, submitted), result, (m3, final)
+    assert commits == [3, 1, 3, 1, 2]
 
 
 async def test_a_pass_cut_between_super_steps_replays_what_it_recorded(tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ COMMIT statements of a real SQLite file, not a provider's traffic.
 from __future__ import annotations
 
 import importlib.util
-import sqlite3
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from asiento import Phase, SqliteCheckpointer
 from asiento.integrations.pydantic_ai import durable_run
+from sqlite_files import record_commits
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "pydantic_ai_overhead.py"
 asked: list[int] = []
@@ -40,30 +40,12 @@ def _bench_agent() -> Agent[None, str]:
     return agent
 
 
-def _record_commits(store: SqliteCheckpointer) -> list[int]:
-    """From now on, for each COMMIT that wrote journal records, how many it wrote."""
-    commits: list[int] = []
-    inserts = 0
-
-    def seen(sql: str) -> None:
-        nonlocal inserts
-        if sql.lstrip().upper().startswith("INSERT INTO JOURNAL"):
-            inserts += 1
-        elif "COMMIT" in sql.upper() and inserts:
-            commits.append(inserts)
-            inserts = 0
-
-    db: sqlite3.Connection = store._db
-    db.set_trace_callback(seen)
-    return commits
-
-
 async def test_a_model_and_tool_step_costs_two_commits(tmp_path: Path) -> None:
     """m1's answer is committed with m1.t1's intent and submitted, and m2's with the
     final record: three commits for the run's six records."""
     store = SqliteCheckpointer(tmp_path / "runs.db")
     try:
-        commits = _record_commits(store)
+        commits = record_commits(store)
         result = await durable_run(_bench_agent(), "refund A1", run_id="r1", store=store)
         assert result.output == "refunded A1"
         records = [(e.step_id, e.phase) for e in await store.load("r1")]

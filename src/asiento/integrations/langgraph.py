@@ -246,9 +246,15 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
                 except BaseException:
                     await run.keep_paid_answer()
                     raise
-            await run.settle()
             last = step_ids.model(run.turns) if run.turns else step_ids.FINAL
-            closing = Final(step=last, text=run.last_text).to_json() | {_STATE_KEY: dumpd(state)}
+            try:
+                state_dump = dumpd(state)
+            except BaseException:  # the state cannot be recorded: the paid answer still is
+                await run.keep_paid_answer()
+                raise
+            closing = Final(step=last, text=run.last_text).to_json() | {_STATE_KEY: state_dump}
+            # The last model answer, held, rides this commit (one fsync a run fewer), as a
+            # native run's does.
             await run.append(
                 run.event(step_ids.FINAL, Phase.RESULT, closing), status=RunStatus.CLOSED
             )
