@@ -59,14 +59,16 @@ async def test_a_model_request_the_agent_would_stream_is_refused(tmp_path: Path)
         ({"idempotent": "lookup"}, r"idempotent=\.\.\.\) takes names .*got str 'lookup'"),
         ({"trusted_mcp": "bank"}, r"trusted_mcp=\.\.\.\) takes names .*got str 'bank'"),
         ({"idempotent": ["lookup", None]}, r"non-empty str names, got None"),
+        ({"model": 5}, r"model=\.\.\.\) takes a Pydantic AI Model or a model name"),
     ],
-    ids=["idempotent-string", "trusted-string", "not-a-name"],
+    ids=["idempotent-string", "trusted-string", "not-a-name", "not-a-model"],
 )
-async def test_a_string_where_tool_names_go_is_refused(
+async def test_options_that_are_not_what_they_name_are_refused(
     tmp_path: Path, given: dict[str, Any], match: str
 ) -> None:
     """``idempotent="lookup"`` would be read letter by letter (a tool named ``o`` run again
-    after a crash): refused before the model is asked, nothing recorded."""
+    after a crash), a model that is not one failed inside the pass with a bare TypeError:
+    refused before the model is asked, nothing recorded."""
     asked: list[str] = []
 
     def answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:

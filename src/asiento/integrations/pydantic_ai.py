@@ -284,6 +284,11 @@ def _options(  # noqa: PLR0917 (durable_run's and WorkerAgent's own arguments, i
     chosen = model if model is not None else agent.model
     if chosen is None:
         raise UsageError(f"{who}(): the agent has no model; pass model=...")
+    if not isinstance(chosen, Model | str):
+        raise UsageError(
+            f"{who}(model=...) takes a Pydantic AI Model or a model name such as "
+            f"'openai:gpt-4.1', got {type(chosen).__name__} {chosen!r:.80}"
+        )
     honours = _honours(honours_keys, who=who)
     traced = telemetry_of(telemetry, who)
     tools = names(idempotent, where=f"{who}(idempotent=...)")
