@@ -263,6 +263,8 @@ async def test_what_cannot_be_exactly_once_is_refused(tmp_path: Path) -> None:
         await _run(plain, tmp_path / "e.db", idempotent="lookup")
     with pytest.raises(UsageError, match=r"non-empty str names, got 3"):
         await _run(plain, tmp_path / "e.db", idempotent=["lookup", 3])
+    with pytest.raises(UsageError, match=r"durable_run\(lease_ttl=\.\.\.\) takes seconds"):
+        await _run(plain, tmp_path / "e.db", lease_ttl="30")
 
 
 async def test_a_tool_called_inside_a_node_is_a_step_too(tmp_path: Path) -> None:

@@ -60,8 +60,9 @@ async def test_a_model_request_the_agent_would_stream_is_refused(tmp_path: Path)
         ({"trusted_mcp": "bank"}, r"trusted_mcp=\.\.\.\) takes names .*got str 'bank'"),
         ({"idempotent": ["lookup", None]}, r"non-empty str names, got None"),
         ({"model": 5}, r"model=\.\.\.\) takes a Pydantic AI Model or a model name"),
+        ({"lease_ttl": 0}, r"durable_run\(lease_ttl=\.\.\.\) must be a finite number"),
     ],
-    ids=["idempotent-string", "trusted-string", "not-a-name", "not-a-model"],
+    ids=["idempotent-string", "trusted-string", "not-a-name", "not-a-model", "no-lease"],
 )
 async def test_options_that_are_not_what_they_name_are_refused(
     tmp_path: Path, given: dict[str, Any], match: str

@@ -50,6 +50,7 @@ from ..payloads import Final
 from ..policy import Policy
 from ..replay import index
 from ..session import RunStats, Session
+from ..tools import check_seconds
 from . import _langgraph_pass, _langgraph_state
 from ._langgraph_pass import GraphPass, revive
 from ._worker import abandonment, pass_end
@@ -114,6 +115,7 @@ async def durable_run(
             "a durable run's thread is its run id (the graph's checkpointer shows its state "
             "under it): drop thread_id from config, or pass run_id=thread_id"
         )
+    check_seconds(lease_ttl, "durable_run(lease_ttl=...)")  # named as the caller wrote it
     session = Session(run_id, _NoGateway(), store, lease_ttl=lease_ttl, wait=wait, lease=lease)
     return await _drive(graph, input, session, options)
 

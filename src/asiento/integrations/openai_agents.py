@@ -60,6 +60,7 @@ from ..telemetry.tracing import (
     step_traceparent,
     telemetry_of,
 )
+from ..tools import check_seconds
 from . import _oa_wire as wire
 from ._commits import HeldCommits
 from ._traced import traced_pass
@@ -120,6 +121,7 @@ async def durable_run(
         raise UsageError(f"durable_run() takes an agents.Agent, got {type(agent).__name__}")
     if not isinstance(input, str):
         raise UsageError("durable_run(input=...) takes the task as a str")
+    check_seconds(lease_ttl, "durable_run(lease_ttl=...)")  # named as the caller wrote it
     session = Session(run_id, _SdkModels(), store, lease_ttl=lease_ttl, lease=lease)
     traced = telemetry_of(telemetry, "durable_run")
     tools = names(idempotent_tools, where="durable_run(idempotent_tools=...)")

@@ -55,6 +55,7 @@ from ..payloads import (
 from ..replay import index
 from ..session import RunStats, Session
 from ..telemetry.tracing import Telemetry, telemetry_of
+from ..tools import check_seconds
 from ._pydantic_ai_pass import MESSAGES_KEY, OUTPUT_KEY, Pass
 from ._pydantic_ai_records import (
     load_messages,
@@ -125,6 +126,7 @@ async def durable_run(
     )
     if not isinstance(prompt, str):
         raise UsageError(f"durable_run(prompt=...) must be a str, got {type(prompt).__name__}")
+    check_seconds(lease_ttl, "durable_run(lease_ttl=...)")  # named as the caller wrote it
     session = Session(run_id, _FrameworkModel(), store, lease_ttl=lease_ttl, wait=wait, lease=lease)
     return await _drive(agent, prompt, session, options, message_history)
 
