@@ -81,7 +81,7 @@ class ModelSteps:
         """
         fp = self.pass_.chain.value[:32]
         recorded = self.pass_.journal.get(step_id, {}).get(Phase.RESULT)
-        attempt = self.pass_.lease.token if self.pass_.lease is not None else 0
+        attempt = self._attempt()
         if recorded is not None:
             response = self._replay_model(step_id, fp, recorded)
             for part in whole_parts(response):
@@ -209,10 +209,13 @@ class ModelSteps:
 
     def cut_attempts(self, step_id: str) -> list[str]:
         """Earlier passes' streamed attempts of ``step_id``: each a generation paid and cut."""
-        mine = step_ids.streamed(
-            step_id, self.pass_.lease.token if self.pass_.lease is not None else 0
-        )
+        mine = step_ids.streamed(step_id, self._attempt())
         return [a for a in self.pass_.cuts.get(step_id, ()) if a != mine]
+
+    def _attempt(self) -> int:
+        """This pass's attempt at a streamed step: its lease's fence (0 without one)."""
+        lease = self.pass_.lease
+        return 0 if lease is None else lease.token
 
 
 class _Marker:

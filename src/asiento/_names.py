@@ -1,7 +1,7 @@
 """The names a user declares (tools that need approval or are idempotent, MCP toolsets
-that are trusted), checked in one place: ``idempotent="lookup"`` is a string, which Python would
-happily read as the tools ``l``, ``o``, ``k``... and a tool named by one letter would
-then run again after a crash."""
+that are trusted), checked in one place: ``idempotent="lookup"`` is a string, which
+Python would happily read as the tools ``l``, ``o``, ``k``... and a tool named by one
+letter would then run again after a crash."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ from .streaming import (
     StreamEvent,
 )
 from .telemetry import tracing
-from .tools import Tool
+from .tools import Tool, check_count
 
 log = logging.getLogger("asiento")
 
@@ -81,10 +81,7 @@ class Agent:
         names = [t.name for t in tools]
         if len(set(names)) != len(names):
             raise UsageError(f"Agent(tools=...) has two tools with the same name: {names}")
-        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
-            raise UsageError(
-                f"Agent(max_turns=...) must be an int of at least 1, got {max_turns!r}"
-            )
+        check_count(max_turns, "Agent(max_turns=...)", least=1)
         if budget is not None and not isinstance(budget, budgets.Budget):
             raise UsageError(f"Agent(budget=...) takes a Budget(...), got {budget!r}")
         if not isinstance(name, str):

@@ -375,6 +375,13 @@ async def within(step: Awaitable[_T], seconds: float | None, tool: str) -> _T:
         raise
 
 
+def check_count(value: Any, where: str, *, least: int) -> int:
+    """A whole number of at least ``least`` (never a bool), or ``UsageError``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise UsageError(f"{where} takes an int >= {least}, got {value!r}")
+    return value
+
+
 def check_seconds(seconds: Any, where: str) -> float:
     """A duration that must be given (a lease, a grace period), or ``UsageError``."""
     if seconds is None or isinstance(seconds, bool) or not isinstance(seconds, int | float):

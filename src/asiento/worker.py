@@ -32,7 +32,7 @@ from .lease import Holder
 from .model import Gateway
 from .session import Session, give_back
 from .telemetry import metrics, tracing
-from .tools import check_seconds, check_timeout, tool_threads_at_least
+from .tools import check_count, check_seconds, check_timeout, tool_threads_at_least
 
 log = logging.getLogger("asiento.worker")
 
@@ -98,10 +98,8 @@ class App:
                 f"({{'default': Agent(...)}}), got {self.agents!r:.100}"
             )
         check_seconds(self.lease_ttl, "App(lease_ttl=...)")
-        for name, least in (("max_attempts", 1), ("max_lapses", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise UsageError(f"App({name}=...) takes an int >= {least}, got {value!r}")
+        check_count(self.max_attempts, "App(max_attempts=...)", least=1)
+        check_count(self.max_lapses, "App(max_lapses=...)", least=0)
         check_timeout(self.tool_timeout, "App(tool_timeout=...)")
         check_seconds(self.shutdown_grace, "App(shutdown_grace=...)")
 
@@ -155,8 +153,7 @@ class Worker:
     def __init__(
         self, store: Checkpointer, app: App, *, poll: float = 0.5, concurrency: int = 1
     ) -> None:
-        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
-            raise UsageError(f"Worker(concurrency=...) must be an int >= 1, not {concurrency!r}")
+        check_count(concurrency, "Worker(concurrency=...)", least=1)
         if not poll > 0:
             raise UsageError(f"Worker(poll=...) must be > 0 seconds, not {poll!r}")
         self.store, self.app, self.poll = metrics.counted(store), app, poll

@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar
 from .. import shutdown
 from ..errors import UsageError
 from ..model import ModelResponse
+from ..tools import check_count
 from ._errors import RateLimited, rate_limited
 from .quota import Quota, Reservation
 
@@ -48,10 +49,7 @@ class RateLimitPolicy:
     max_wait: float = 60.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
-            raise UsageError(
-                f"RateLimitPolicy(retries=...) must be an int >= 0, got {self.retries!r}"
-            )
+        check_count(self.retries, "RateLimitPolicy(retries=...)", least=0)
         for name in ("backoff", "max_wait"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:

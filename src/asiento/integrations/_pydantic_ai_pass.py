@@ -223,6 +223,7 @@ class Pass(HeldCommits):
         self.boundary(step_id)
         state = step_state(self.journal, step_id)
         records = state.records
+        approved = Decision.APPROVED if Phase.APPROVAL in records else Decision.ALLOW
         mcp = self._mcp_leaf(tool)
         action = decide(records, idempotent=self.is_idempotent(name, tool, mcp))
         leaf = mcp if mcp is not None and id(mcp) in self.keyed else None  # carries the key
@@ -246,7 +247,10 @@ class Pass(HeldCommits):
         if action is Action.UNCERTAIN:
             await self.settle()
             settled = await self._reconcile(
-                step_id, state.current_id, name, call_id or "", run, leaf=leaf, key=key
+                _Running(step_id, state.current_id, name, call_id or "", approved),
+                run,
+                leaf=leaf,
+                key=key,
             )
             if isinstance(settled, _Settled):
                 return settled.value
@@ -281,7 +285,6 @@ class Pass(HeldCommits):
             if starting:
                 crash_point("after_intent")
             crash_point("after_submitted")
-            approved = Decision.APPROVED if Phase.APPROVAL in records else Decision.ALLOW
             return await self._execute(
                 _Running(step_id, attempt_id, name, call_id or "", approved),
                 _keyed(key, run),
@@ -300,15 +303,7 @@ class Pass(HeldCommits):
         return Intent(tool=name, args=frozen, fp=fingerprint(frozen)[:32], idem_key=key)
 
     async def _reconcile(
-        self,
-        step_id: str,
-        attempt_id: str,
-        name: str,
-        call_id: str,
-        run: Callable[[], Awaitable[Any]],
-        *,
-        leaf: Any,
-        key: str | None,
+        self, step: _Running, run: Callable[[], Awaitable[Any]], *, leaf: Any, key: str | None
     ) -> _Settled | str:
         """Submitted, no outcome, not idempotent: for an MCP call under the step's key, the
         server's record of it when its toolset is declared to honour keys and the key is
@@ -329,6 +324,7 @@ class Pass(HeldCommits):
                 f"and its MCP toolset {leaf.id!r} is not declared to deduplicate by key "
                 "(durable_run(honours_keys={toolset id: key TTL}))"
             )
+        step_id, attempt_id, name = step.step_id, step.attempt_id, step.name
         age = await self.store.age(self.run_id, step_id, Phase.SUBMITTED)
         try:
             may_ask_again(toolset_id=leaf.id, key_ttl=self.honours[leaf.id], age=age)
@@ -336,16 +332,14 @@ class Pass(HeldCommits):
             return str(exc)
         unit(executed=True)  # a call goes to the server: its span is reported
         trace = self._step_trace(step_id)
-        args = self.tool_args.get(call_id, {})
+        args = self.tool_args.get(step.call_id, {})
         try:
             # Sent again: its own span (not the first call's id), however it ends.
-            with trace.executing(step_id, attempt_id, name, call_id, args, resent=True):
+            with trace.executing(step_id, attempt_id, name, step.call_id, args, resent=True):
                 with self._in_step(step_id, attempt_id, name):
                     value, replayed = await reconcile_call(key, run, toolset_id=leaf.id)
                 outcome = outcomes.bounded(to_jsonable_python(value))
-                approved = Phase.APPROVAL in step_state(self.journal, step_id).records
-                decision = Decision.APPROVED if approved else Decision.ALLOW
-                trace.executed(outcome, decision, reconciled=replayed)
+                trace.executed(outcome, step.decision, reconciled=replayed)
         except NotReconciled as exc:
             return str(exc)
         except ModelRetry as exc:  # the recorded answer is the tool's error
