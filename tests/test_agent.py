@@ -59,10 +59,14 @@ class Spy:
         self.called: list[str] = []
 
     async def append(
-        self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
+        self,
+        *events: StepEvent,
+        status: RunStatus | None = None,
+        lease: Lease | None = None,
+        release: Savings | None = None,
     ) -> None:
         self.called.append("append")
-        await self.inner.append(*events, status=status, lease=lease)
+        await self.inner.append(*events, status=status, lease=lease, release=release)
 
     async def acquire(self, run_id: str, holder: Holder, *, ttl: float) -> Lease:
         self.called.append("acquire")
@@ -250,7 +254,8 @@ async def test_closed_run_is_listed_closed(journal: Journal) -> None:
 
 @pytest.mark.parametrize("k", [1, 3])
 async def test_two_appends_per_model_and_tool_step(journal: Journal, k: int) -> None:
-    """K model+tool steps and a final answer make exactly 2K + 1 appends."""
+    """K model+tool steps and a final answer make exactly 2K + 1 appends, and nothing
+    else is written: the closing append gives the lease up (no release of its own)."""
     script = [asks(("echo", {"text": f"n{i}"})) for i in range(k)] + [done()]
     spy = Spy(journal.open())
     calls: list[str] = []
@@ -258,6 +263,10 @@ async def test_two_appends_per_model_and_tool_step(journal: Journal, k: int) -> 
     assert len(calls) == k
     assert spy.called.count("append") == 2 * k + 1
     assert "set_status" not in spy.called
+    assert "release" not in spy.called
+    info = await spy.inner.run(RUN)
+    assert info is not None
+    assert (info.status, info.lease_owner) == (RunStatus.CLOSED, None)
 
 
 # -- 8. tool failures ----------------------------------------------------------------

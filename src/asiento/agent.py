@@ -33,6 +33,7 @@ from .events import (
     Lease,
     Phase,
     RunStatus,
+    Savings,
     Step,
     StepEvent,
 )
@@ -342,7 +343,8 @@ class _Pass:
         ended = self.trace.end("closed")  # its mark rides the final commit
         if ended is not None:
             self.pending.append(ended)
-        await self.flush(RunStatus.CLOSED)
+        await self.flush(RunStatus.CLOSED, release=self.session.closing())
+        self.session.closed()
 
     async def wait_for(
         self, status: RunStatus, step_id: str, phase: Phase, reason: str | None = None
@@ -371,15 +373,19 @@ class _Pass:
         self.pending.append(event)
         return event
 
-    async def flush(self, status: RunStatus | None = None) -> None:
-        """Make the pending records durable in one transaction, then release their steps."""
+    async def flush(
+        self, status: RunStatus | None = None, *, release: Savings | None = None
+    ) -> None:
+        """Make the pending records durable in one transaction, then release their steps
+        (``release``: the closing commit gives the lease up too, ``Session.closing``)."""
         events, self.pending = self.pending, []
         phases = {(e.phase, step_ids.is_tool(e.step_id)) for e in events}
         if (Phase.INTENT, True) in phases:
             crash_point("before_intent")
         if events:
             try:
-                await self.store.append(*events, status=status, lease=self.lease)
+                closing = {} if release is None else {"release": release}
+                await self.store.append(*events, status=status, lease=self.lease, **closing)
             except LeaseLost:
                 self.unrecorded += events
                 raise

@@ -162,6 +162,15 @@ class Savings:
     output_tokens: int = 0
     cost: float = 0.0
 
+    def __sub__(self, before: Savings) -> Savings:
+        """What was saved since ``before`` (one pass's share of a session's)."""
+        return Savings(
+            calls=self.calls - before.calls,
+            input_tokens=self.input_tokens - before.input_tokens,
+            output_tokens=self.output_tokens - before.output_tokens,
+            cost=self.cost - before.cost,
+        )
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelStep:

@@ -113,6 +113,7 @@ class Session:
         if lease is not None and lease.run_id != self.run_id:
             raise UsageError(f"Session(lease=...) holds run {lease.run_id!r}, not {self.run_id!r}")
         self._claimed = lease
+        self._driven: tuple[Savings, asyncio.Task[None]] | None = None  # savings before, keeper
         self.found_closed = False  # noting a failure found the run closed (abandoned meanwhile)
 
     def __repr__(self) -> str:
@@ -129,6 +130,7 @@ class Session:
         lease = await self._acquire()
         before = self.stats.savings()
         keeper = asyncio.create_task(self._keep_alive(lease))
+        self._driven = (before, keeper)
         clean = False
         try:
             yield lease
@@ -147,7 +149,23 @@ class Session:
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
             lease_state.ended(lease.owner)
-            await self._release(lease, before, clean=clean)
+            if self._driven is not None:  # else the closing append gave the lease up
+                self._driven = None
+                await self._release(lease, before, clean=clean)
+
+    def closing(self) -> Savings | None:
+        """What the pass saved, for the append that closes the run to give the lease up
+        with (one commit a run fewer); None when no lease is being driven. Renewals stop
+        here: a renewal that lands after the lease is given up would only be refused."""
+        if self._driven is None:
+            return None
+        before, keeper = self._driven
+        keeper.cancel()
+        return self.stats.savings() - before
+
+    def closed(self) -> None:
+        """The closing append landed with its release: nothing is left to give up."""
+        self._driven = None
 
     async def _note_failure(self, lease: Lease, exc: Exception) -> None:
         if not await note_failure(self.store, lease, exc):
@@ -211,15 +229,8 @@ class Session:
                 log.warning("run %r: could not renew the lease: %s", self.run_id, exc)
 
     async def _release(self, lease: Lease, before: Savings, *, clean: bool) -> None:
-        now = self.stats.savings()
-        pass_savings = Savings(
-            calls=now.calls - before.calls,
-            input_tokens=now.input_tokens - before.input_tokens,
-            output_tokens=now.output_tokens - before.output_tokens,
-            cost=now.cost - before.cost,
-        )
         try:
-            await self.store.release(lease, savings=pass_savings, clean=clean)
+            await self.store.release(lease, savings=self.stats.savings() - before, clean=clean)
         except AsientoError as exc:  # never hide the error that ended the body
             log.warning("run %r: could not release the lease: %s", self.run_id, exc)
 

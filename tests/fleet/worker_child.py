@@ -286,10 +286,10 @@ class Observed:
         self._ledger.log("renew", run=lease.run_id, token=lease.token)
         return renewed
 
-    async def append(self, *events: Any, status: Any = None, lease: Any = None) -> None:
+    async def append(self, *events: Any, lease: Any = None, **closing: Any) -> None:
         keys = [[e.step_id, str(e.phase)] for e in events]
         try:
-            await self._store.append(*events, status=status, lease=lease)
+            await self._store.append(*events, lease=lease, **closing)
         except LeaseLost:
             self._ledger.log("lease-lost", run=lease.run_id, token=lease.token, keys=keys)
             raise

@@ -399,10 +399,10 @@ async def test_a_denied_call_is_an_event_of_its_pass_not_a_tool_span(
 class _FullAtTheClose(SqliteCheckpointer):
     """A real SQLite journal whose disk fills up at the run's closing commit."""
 
-    async def append(self, *events: Any, status: Any = None, lease: Any = None) -> None:
+    async def append(self, *events: Any, status: Any = None, **kwargs: Any) -> None:
         if status is RunStatus.CLOSED:
             raise JournalFull("database or disk is full (the closing commit)")
-        await super().append(*events, status=status, lease=lease)
+        await super().append(*events, status=status, **kwargs)
 
 
 async def test_a_run_whose_close_failed_to_commit_exports_no_run_span(

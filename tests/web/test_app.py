@@ -318,6 +318,20 @@ async def test_another_sessions_csrf_field_does_not_work(tmp_path: Path) -> None
     assert await people(db, "invoice-42") == []
 
 
+async def test_two_clients_of_one_app_each_keep_their_journal(tmp_path: Path) -> None:
+    """Each lifespan of the app (a test client each) opens and closes its own journal:
+    the one that stops first does not close the other's, which still reads the runs."""
+    db = tmp_path / "runs.db"
+    await suspended(db, "invoice-42")
+    app = create_app(str(db), token=TOKEN)
+    with TestClient(app, base_url=BASE) as ana:
+        with TestClient(app, base_url=BASE) as bob:
+            assert bob.get("/api/runs", headers=READ).status_code == 200
+        listed = ana.get("/api/runs", headers=READ)
+    assert listed.status_code == 200, listed.text
+    assert "invoice-42" in listed.text
+
+
 async def test_the_session_cookie_is_signed_strict_and_http_only(tmp_path: Path) -> None:
     """The cookie is HttpOnly and SameSite=Strict; a tampered one is not a session."""
     db = tmp_path / "runs.db"

@@ -183,8 +183,19 @@ WHERE runs.{rules.STILL_OPEN}
 RETURNING 1
 """
 
-# The loop's append: the lease is checked, and extended, by the run's own update.
-APPEND_LEASED = f"""
+# What a leased append does to its lease: extends it, or (the closing append) gives it up
+# with what the pass saved, as ``RELEASE`` would (a closed run is not requeued).
+_EXTENDED = f"lease_expires = {NOW} + lease_ttl"
+_GIVEN_UP = """lease_owner = NULL, lease_expires = NULL,
+    replayed_calls = replayed_calls + %(saved_calls)s,
+    saved_input_tokens = saved_input_tokens + %(saved_inp)s,
+    saved_output_tokens = saved_output_tokens + %(saved_out)s,
+    saved_cost = saved_cost + %(saved_cost)s"""
+
+
+def _append_leased(lease: str) -> str:
+    """The loop's append: the lease is checked, and ``lease`` done, by the run's own update."""
+    return f"""
 UPDATE runs SET
     {rules.status_write("%(status)s", NOW)},
     events = events + %(added)s,
@@ -197,19 +208,26 @@ UPDATE runs SET
     cache_write_tokens = cache_write_tokens + %(cwrite)s,
     cost = cost + %(cost)s,
     {rules.budget_write(_param)},
-    lease_expires = {NOW} + lease_ttl
+    {lease}
 WHERE run_id = %(run_id)s AND fence = %(token)s AND lease_owner = %(owner)s
   AND lease_expires >= {NOW}
-RETURNING lease_expires
+RETURNING 1
 """
 
-# A leased append as one statement, so one round trip and one commit (autocommit): the
-# lease checked and extended, the counters added, the records inserted only if the lease
-# held. A record already there aborts the whole statement (a unique violation): nothing
-# of the append is written, as when the multi-statement transaction is rolled back. The
-# records travel as one JSON text: six arrays cost the client more to send than the step.
-APPEND_LEASED_EVENTS = f"""
-WITH lease AS ({APPEND_LEASED.strip()}),
+
+APPEND_LEASED = _append_leased(_EXTENDED)
+APPEND_RELEASED = _append_leased(_GIVEN_UP)
+
+
+def _append_events(append: str) -> str:
+    """A leased append as one statement, so one round trip and one commit (autocommit):
+    the lease checked (and extended or given up), the counters added, the records
+    inserted only if the lease held. A record already there aborts the whole statement
+    (a unique violation): nothing of the append is written, as when the multi-statement
+    transaction is rolled back. The records travel as one JSON text: six arrays cost the
+    client more to send than the step."""
+    return f"""
+WITH lease AS ({append.strip()}),
 written AS (
     INSERT INTO journal (run_id, step_id, phase, decision, payload, created_at)
     SELECT row ->> 0, row ->> 1, row ->> 2, row ->> 3, row ->> 4, (row ->> 5)::float8
@@ -220,6 +238,10 @@ written AS (
 )
 SELECT (SELECT count(*) FROM lease), (SELECT count(*) FROM written)
 """
+
+
+APPEND_LEASED_EVENTS = _append_events(APPEND_LEASED)
+APPEND_RELEASED_EVENTS = _append_events(APPEND_RELEASED)
 
 # A renewal as one statement: the new time-to-live, from the server's clock, if the lease holds.
 RENEW = f"""

@@ -26,7 +26,11 @@ class Journal(Protocol):
     """The records of runs: ``append`` is atomic, all of a batch is recorded or none."""
 
     async def append(
-        self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
+        self,
+        *events: StepEvent,
+        status: RunStatus | None = None,
+        lease: Lease | None = None,
+        release: Savings | None = None,
     ) -> None:
         """Record ``events`` (one run) in one transaction, and set the run's status.
 
@@ -36,6 +40,10 @@ class Journal(Protocol):
         and nothing is written; a current one is extended. Without ``lease`` (a
         person's decision), a run the index says is closed raises ``RunClosed`` and
         nothing is written: a closed run stays closed.
+
+        ``release`` (only with ``lease`` and ``status=CLOSED``: the append that closes
+        the run) gives the lease up in the same transaction, adding what the pass saved,
+        as ``release(lease, savings=release)`` right after would: one commit fewer a run.
         """
         ...
 
@@ -317,6 +325,21 @@ def budget_params(events: Sequence[StepEvent]) -> dict[str, Any]:
         params[f"b_{column}"] = index_limit(column, limits.get(name))
         params[f"r_{column}"] = index_limit(column, raises.get(name))
     return params
+
+
+def check_release(
+    release: Savings | None, status: RunStatus | None, lease: Lease | None
+) -> Savings | None:
+    """``append(release=...)`` as given, or ``UsageError``: only the closing append of a
+    leased pass gives its lease up with it (a run left open must be released as it goes
+    back to the queue)."""
+    if release is None:
+        return None
+    if not isinstance(release, Savings):
+        raise UsageError(f"append(release=...) takes the pass's Savings, got {release!r}")
+    if lease is None or status is None or RunStatus(status) is not RunStatus.CLOSED:
+        raise UsageError("append(release=...) needs lease=... and status=RunStatus.CLOSED")
+    return release
 
 
 def index_limit(column: str, value: float | None) -> float | int | None:

@@ -15,6 +15,7 @@ from . import _rules as rules
 from ._wakeup import WakeUp
 from .base import (
     check_id,
+    check_release,
     counts_of,
     decode_row,
     encode_batch,
@@ -50,9 +51,14 @@ class MemoryCheckpointer:
         self._claim_events: dict[str, int] = {}  # each run's records when last claimed
 
     async def append(
-        self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
+        self,
+        *events: StepEvent,
+        status: RunStatus | None = None,
+        lease: Lease | None = None,
+        release: Savings | None = None,
     ) -> None:
         run_id, rows = encode_batch(events)
+        release = check_release(release, status, lease)
         if lease is not None:
             self._check_lease(lease)
         elif self._info(run_id).status == RunStatus.CLOSED:
@@ -82,6 +88,9 @@ class MemoryCheckpointer:
             cache_write_tokens=info.cache_write_tokens + usage["cwrite"],
             **_budget_after(info, events),
         )
+        if release is not None:
+            assert lease is not None
+            self._give_up(lease, release, clean=False)
 
     def _requeue(self, run_id: str, current: RunStatus, requested: RunStatus | None) -> None:
         now = time.time()
@@ -144,7 +153,11 @@ class MemoryCheckpointer:
     async def release(
         self, lease: Lease, *, savings: Savings | None = None, clean: bool = False
     ) -> None:
-        info, saved = self._runs.get(lease.run_id), savings or Savings()
+        self._give_up(lease, savings or Savings(), clean=clean)
+        self._wakeup.ring()
+
+    def _give_up(self, lease: Lease, saved: Savings, *, clean: bool) -> None:
+        info = self._runs.get(lease.run_id)
         if info is None or info.fence != lease.token or info.lease_owner != lease.owner:
             return
         if info.status is RunStatus.RUNNING:
@@ -161,7 +174,6 @@ class MemoryCheckpointer:
             saved_cost=info.saved_cost + saved.cost,
             attempts=max(info.attempts - 1, 0) if clean else info.attempts,
         )
-        self._wakeup.ring()
 
     async def load(self, run_id: str) -> list[StepEvent]:
         return [decode_row(run_id, row) for row in self._rows.get(run_id, [])]

@@ -67,6 +67,7 @@ from ._backfill import (
 from .base import (
     Row,
     check_id,
+    check_release,
     counts_of,
     decode_row,
     encode_batch,
@@ -211,25 +212,38 @@ class PostgresCheckpointer:
     # -- the protocol ---------------------------------------------------------------------
 
     async def append(
-        self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
+        self,
+        *events: StepEvent,
+        status: RunStatus | None = None,
+        lease: Lease | None = None,
+        release: Savings | None = None,
     ) -> None:
         run_id, rows = encode_batch(events)
+        release = check_release(release, status, lease)
         state = None if status is None else RunStatus(status).value
         params = {"run_id": run_id, "status": state, "added": len(rows)}
         params |= counts_of(events)
+        if release is not None:
+            params |= _saved_params(release)
         if lease is not None and not any(row[2] in _DECISIONS for row in rows):
-            once = partial(self._append_leased, rows, params, lease)
+            once = partial(self._append_leased, rows, params, lease, release is not None)
         else:
-            once = partial(self._transact_once, partial(self._append_rows, rows, params, lease))
+            append = partial(self._append_rows, rows, params, lease, release is not None)
+            once = partial(self._transact_once, append)
         await self._exactly_once(once, partial(self._recorded, rows[0]))
+        if lease is not None and release is not None:
+            self._handed.discard((lease.run_id, lease.token))
 
-    async def _append_leased(self, rows: list[Row], params: dict[str, Any], lease: Lease) -> None:
+    async def _append_leased(
+        self, rows: list[Row], params: dict[str, Any], lease: Lease, release: bool
+    ) -> None:
         """A step's records under its lease in one statement: the hot path of every pass."""
         batch = json.dumps(rows, ensure_ascii=False, allow_nan=False)
         params = params | {"token": lease.token, "owner": lease.owner, "rows": batch}
+        query = sql.APPEND_RELEASED_EVENTS if release else sql.APPEND_LEASED_EVENTS
         crash_point("inside_commit")  # dying here writes nothing, as inside a transaction
         try:
-            ((held, _),) = await self._statement_once(sql.APPEND_LEASED_EVENTS, params)
+            ((held, _),) = await self._statement_once(query, params)
         except _Conflict:
             raise await self._duplicate(rows) from None
         if not held:
@@ -244,16 +258,20 @@ class PostgresCheckpointer:
         return DuplicateRecord(run_id, step_id, phase)
 
     async def _append_rows(
-        self, rows: list[Row], params: dict[str, Any], lease: Lease | None, conn: Conn
+        self,
+        rows: list[Row],
+        params: dict[str, Any],
+        lease: Lease | None,
+        release: bool,
+        conn: Conn,
     ) -> None:
         if lease is None:
             cur = await conn.execute(sql.UPSERT_RUN, params)
             if await cur.fetchone() is None:
                 raise run_closed(params["run_id"])
-        else:  # the lease is checked, and extended, in the append's own transaction
-            cur = await conn.execute(
-                sql.APPEND_LEASED, params | {"token": lease.token, "owner": lease.owner}
-            )
+        else:  # the lease is checked, and extended or given up, in the append's transaction
+            query = sql.APPEND_RELEASED if release else sql.APPEND_LEASED
+            cur = await conn.execute(query, params | {"token": lease.token, "owner": lease.owner})
             if await cur.fetchone() is None:
                 raise lease_lost(lease)
         columns = [list(column) for column in zip(*rows, strict=True)]
@@ -786,6 +804,16 @@ _BACKFILLS: dict[int, Callable[[Conn], Awaitable[None]]] = {
     3: _backfill_cache_tokens,
     6: _backfill_budgets,
 }
+
+
+def _saved_params(saved: Savings) -> dict[str, Any]:
+    """What a pass saved, as the parameters of ``APPEND_RELEASED``."""
+    return {
+        "saved_calls": saved.calls,
+        "saved_inp": saved.input_tokens,
+        "saved_out": saved.output_tokens,
+        "saved_cost": saved.cost,
+    }
 
 
 def _text(exc: psycopg.Error) -> str:

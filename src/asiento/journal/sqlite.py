@@ -44,6 +44,7 @@ from ._wakeup import WakeUp
 from .base import (
     Row,
     check_id,
+    check_release,
     counts_of,
     decode_row,
     encode_batch,
@@ -231,6 +232,15 @@ def _plain_params(item: _Append) -> tuple[Any, ...]:
     )
 
 
+def _releases(items: list[_Append]) -> list[tuple[Lease, Savings, bool]]:
+    """The leases the closing appends among ``items`` give up with their records."""
+    return [
+        (item.lease, item.release, False)
+        for item in items
+        if item.release is not None and item.lease is not None
+    ]
+
+
 _STATUS_OF_VALUES = rules.status_write("v.column12", "?1") + ","
 
 
@@ -248,6 +258,7 @@ class _Append:
     counts: dict[str, Any]
     status: RunStatus | None
     lease: Lease | None
+    release: Savings | None = None  # the closing append gives the lease up with it
 
 
 class SqliteCheckpointer:
@@ -305,11 +316,16 @@ class SqliteCheckpointer:
                 raise self._migration_failed(exc, progress) from exc
 
     async def append(
-        self, *events: StepEvent, status: RunStatus | None = None, lease: Lease | None = None
+        self,
+        *events: StepEvent,
+        status: RunStatus | None = None,
+        lease: Lease | None = None,
+        release: Savings | None = None,
     ) -> None:
         # Checked and encoded before it joins a batch: bad input fails only its caller.
         run_id, rows = encode_batch(events)
-        item = _Append(run_id, rows, counts_of(events), status, lease)
+        release = check_release(release, status, lease)
+        item = _Append(run_id, rows, counts_of(events), status, lease, release)
         await self._writer.submit(item, run_id=run_id)
 
     def _commit_batch(self, batch: list[_Append]) -> list[Outcome]:
@@ -405,6 +421,7 @@ class SqliteCheckpointer:
             for part in _chunks(rows, _ROWS_PER_INSERT):
                 sql = "INSERT INTO journal VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?)"] * len(part))
                 db.execute(sql, [value for row in part for value in row])
+            self._give_up(_releases(items), now)
         except (_Refused, sqlite3.IntegrityError):
             db.execute("ROLLBACK TO plain_appends")
             db.execute("RELEASE plain_appends")
@@ -437,6 +454,7 @@ class SqliteCheckpointer:
             db.executemany(_INSERT_RECORD, rows)
         except sqlite3.IntegrityError:
             raise self._duplicate(run_id, rows, alone=alone) from None
+        self._give_up(_releases([item]), now)
 
     def _duplicate(self, run_id: str, rows: list[Row], *, alone: bool) -> DuplicateRecord:
         """Undo the append's rows and name its first record the journal already held."""
@@ -537,20 +555,24 @@ class SqliteCheckpointer:
         """Give the leases up (those still held) in one statement."""
         try:
             with self._transaction():
-                for chunk in _chunks(releases, _ROWS_PER_UPDATE):
-                    values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
-                    args = [
-                        value
-                        for lease, saved, clean in chunk
-                        for value in (
-                            *(lease.run_id, lease.token, lease.owner, saved.calls),
-                            *(saved.input_tokens, saved.output_tokens, saved.cost, clean),
-                        )
-                    ]
-                    self._db.execute(_RELEASE.format(values=values), [time.time(), *args])
+                self._give_up(releases, time.time())
         except sqlite3.Error as exc:
             return [self._translated(exc) for _ in releases]
         return [None] * len(releases)
+
+    def _give_up(self, releases: list[tuple[Lease, Savings, bool]], now: float) -> None:
+        """The statements of releases, inside a transaction the caller opened."""
+        for chunk in _chunks(releases, _ROWS_PER_UPDATE):
+            values = ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
+            args = [
+                value
+                for lease, saved, clean in chunk
+                for value in (
+                    *(lease.run_id, lease.token, lease.owner, saved.calls),
+                    *(saved.input_tokens, saved.output_tokens, saved.cost, clean),
+                )
+            ]
+            self._db.execute(_RELEASE.format(values=values), [now, *args])
 
     async def load(self, run_id: str) -> list[StepEvent]:
         sql = (

@@ -67,8 +67,10 @@ def _no_fencing(postgres: bool) -> None:
         original = cls.append
 
         async def append(self: Any, *events: Any, _original: Any = original, **kw: Any) -> None:
-            kw["lease"] = None  # the bug: the fencing token is never checked
-            await _original(self, *events, **kw)
+            lease, release = kw.pop("lease", None), kw.pop("release", None)
+            await _original(self, *events, **kw)  # the bug: the fencing token is never checked
+            if lease is not None and release is not None:  # the closing append's release
+                await self.release(lease, savings=release)
 
         cls.append = append
 

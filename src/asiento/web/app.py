@@ -14,6 +14,7 @@ second person is told who decided first.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import hashlib
@@ -95,7 +96,9 @@ class Pages:
     def __init__(self, store_url: str, guard: Guard) -> None:
         self.store_url = store_url
         self.guard = guard
-        self._store: Checkpointer | None = None
+        # One journal a lifespan, by its event loop: a server has one, but two test
+        # clients of one app each run their own, and neither may close the other's.
+        self._stores: dict[asyncio.AbstractEventLoop, Checkpointer] = {}
         self.env = environment(
             {
                 "when": fmt.when,
@@ -115,16 +118,19 @@ class Pages:
 
     @property
     def store(self) -> Checkpointer:
-        assert self._store is not None, "the app's lifespan opens the journal"
-        return self._store
+        store = self._stores.get(asyncio.get_running_loop())
+        assert store is not None, "the app's lifespan opens the journal"
+        return store
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        self._store = await open_existing(self.store_url)
+        loop = asyncio.get_running_loop()
+        self._stores[loop] = store = await open_existing(self.store_url)
         try:
             yield
         finally:
-            await self._store.close()
+            del self._stores[loop]
+            await store.close()
 
     # -- rendering ---------------------------------------------------------------------
 

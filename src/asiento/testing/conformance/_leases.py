@@ -11,6 +11,7 @@ import pytest
 from asiento import (
     Checkpointer,
     Decision,
+    DuplicateRecord,
     Holder,
     Lease,
     LeaseLost,
@@ -18,6 +19,7 @@ from asiento import (
     RunLocked,
     RunStatus,
     Savings,
+    UsageError,
 )
 from asiento.lease import hostname
 
@@ -160,6 +162,95 @@ class LeaseTests:
         info = await info_of(store)
         saved = (info.replayed_calls, info.saved_input_tokens, info.saved_output_tokens)
         assert saved == (3, 35, 5)
+
+    async def test_the_closing_append_gives_the_lease_up(self, store: Checkpointer) -> None:
+        """append(status=CLOSED, release=...) records, closes and releases in one commit:
+        the lease is free and the pass's savings added, as a release right after would."""
+        lease = await store.acquire("run-1", holder("a"), ttl=300)
+        await store.append(ev("m1"), lease=lease)
+        saved = Savings(calls=2, input_tokens=30, output_tokens=4, cost=0.5)
+        await store.append(ev("final"), status=RunStatus.CLOSED, lease=lease, release=saved)
+        info = await info_of(store)
+        assert (info.status, info.events, info.lease_owner, info.lease_expires) == (
+            RunStatus.CLOSED,
+            2,
+            None,
+            None,
+        )
+        assert (info.replayed_calls, info.saved_input_tokens, info.saved_output_tokens) == (
+            2,
+            30,
+            4,
+        )
+        assert info.saved_cost == pytest.approx(0.5)
+        await store.release(lease)  # a release after it finds nothing left to give up
+        assert (await info_of(store)).replayed_calls == 2
+
+    async def test_closing_appends_of_many_runs_at_once(self, store: Checkpointer) -> None:
+        """Closing appends of several runs committed together (group commit) each give
+        their own lease up, beside a plain append that keeps its lease."""
+        leases = [await store.acquire(f"run-{n}", holder(f"h{n}"), ttl=300) for n in range(4)]
+        closing = [
+            store.append(
+                ev("final", run_id=lease.run_id),
+                status=RunStatus.CLOSED,
+                lease=lease,
+                release=Savings(calls=n),
+            )
+            for n, lease in enumerate(leases[:3])
+        ]
+        await asyncio.gather(*closing, store.append(ev("m1", run_id="run-3"), lease=leases[3]))
+        for n in range(3):
+            info = await info_of(store, f"run-{n}")
+            assert (info.status, info.lease_owner, info.replayed_calls) == (
+                RunStatus.CLOSED,
+                None,
+                n,
+            )
+        kept = await info_of(store, "run-3")
+        assert (kept.status, kept.lease_owner, kept.events) == (RunStatus.RUNNING, "h3", 1)
+
+    async def test_a_refused_closing_append_gives_nothing_up(self, store: Checkpointer) -> None:
+        """A closing append under a lease no longer current, or with a record already
+        there, writes nothing: no record, no status, no release, no savings."""
+        old = await store.acquire("run-1", holder("a"), ttl=300)
+        lease = await store.acquire("run-1", holder("b"), ttl=300, force=True)
+        await store.append(ev("m1"), lease=lease)
+        with pytest.raises(LeaseLost):
+            await store.append(
+                ev("final"), status=RunStatus.CLOSED, lease=old, release=Savings(calls=1)
+            )
+        with pytest.raises(DuplicateRecord):
+            await store.append(
+                ev("m1"),
+                ev("final"),
+                status=RunStatus.CLOSED,
+                lease=lease,
+                release=Savings(calls=1),
+            )
+        info = await info_of(store)
+        assert (info.status, info.events, info.lease_owner, info.replayed_calls) == (
+            RunStatus.RUNNING,
+            1,
+            "b",
+            0,
+        )
+        assert [e.step_id for e in await store.load("run-1")] == ["m1"]
+
+    async def test_only_the_closing_append_releases(self, store: Checkpointer) -> None:
+        """release= with no lease, or without status=CLOSED, is a UsageError: a run left
+        open goes back to the queue by release(). Nothing is written."""
+        lease = await store.acquire("run-1", holder("a"), ttl=300)
+        for kwargs in (
+            {"status": RunStatus.CLOSED},
+            {"lease": lease},
+            {"lease": lease, "status": RunStatus.SUSPENDED},
+            {"lease": lease, "status": RunStatus.CLOSED, "release": 3},
+        ):
+            with pytest.raises(UsageError, match="release"):
+                await store.append(ev("final"), **{"release": Savings(calls=1)} | kwargs)
+        info = await info_of(store)
+        assert (info.status, info.events, info.lease_owner) == (RunStatus.RUNNING, 0, "a")
 
     async def test_append_with_the_lease_extends_it(self, store: Checkpointer) -> None:
         """An append under a valid lease pushes lease_expires forward by the lease's ttl."""
