@@ -20,6 +20,7 @@ from langgraph.checkpoint.sqlite.aio import AsyncSqliteSaver
 from langgraph.graph import START, StateGraph
 
 from asiento import SqliteCheckpointer, UsageError, approve, require_approval_for
+from asiento.integrations import _langgraph_state
 from asiento.integrations.langgraph import DurableResult, WorkerAgent, durable_run
 
 from .langgraph_graph import ASKED, TASK, ScriptedChat, build, lines, make_tools
@@ -106,6 +107,72 @@ async def test_get_state_shows_the_journals_final_state_after_a_crash_and_a_resu
     assert state.values == done.output
     assert state.next == ()
     assert state.metadata["asiento"] == {"run_id": "r1", "ended": "closed"}
+
+
+async def test_a_close_the_view_missed_is_replayed_into_it_by_the_next_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that dies between the run's final record and the copy leaves get_state
+    a pass behind; the next durable_run of the closed run replays it from the journal,
+    asking no model and running no tool, and get_state then shows the final state."""
+    ledger = tmp_path / "ledger"
+    real = _langgraph_state.publish
+
+    async def dying(*args: Any, ended: str, **kwargs: Any) -> None:
+        if ended == "closed":
+            raise _Crash  # the process dies after the journal's close, before the copy
+        await real(*args, ended=ended, **kwargs)
+
+    async with _saver(tmp_path / "graph.db", "sync") as saver:
+        graph = build(ScriptedChat(), make_tools(ledger)).builder.compile(checkpointer=saver)
+        monkeypatch.setattr(_langgraph_state, "publish", dying)
+        with pytest.raises(_Crash):
+            await _run(graph, tmp_path / "j.db")
+        monkeypatch.setattr(_langgraph_state, "publish", real)
+        assert graph.get_state(THREAD).values == {}  # the view missed the close
+        asked, effects = len(ASKED), lines(ledger)
+        again = await _run(graph, tmp_path / "j.db")
+        state = graph.get_state(THREAD)
+        once_more = await _run(graph, tmp_path / "j.db")
+        history = list(graph.get_state_history(THREAD))
+    assert again.replayed and once_more.replayed
+    assert (len(ASKED), lines(ledger)) == (asked, effects) == (3, ["lookup 42", "refund 42 ana"])
+    assert again.stats.model_calls_replayed == 0  # the call's figures: nothing replayed
+    assert state.values == again.output
+    assert str(state.values["messages"][-1].content) == "refunded order 42 to ana"
+    assert state.metadata["asiento"] == {"run_id": "r1", "ended": "closed"}
+    assert len(history) == 1  # an up-to-date view is not written again
+
+
+async def test_a_closed_run_the_graph_no_longer_replays_leaves_the_view_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The view missed the close and the graph changed since: the replay stops at the
+    first step the journal does not hold (nothing asked), a warning names the run, and
+    the call still returns the journal's final state."""
+    ledger = tmp_path / "ledger"
+    real = _langgraph_state.publish
+
+    async def dying(*args: Any, ended: str, **kwargs: Any) -> None:
+        if ended == "closed":
+            raise _Crash
+        await real(*args, ended=ended, **kwargs)
+
+    async with _saver(tmp_path / "graph.db", "sync") as saver:
+        graph = build(ScriptedChat(), make_tools(ledger)).builder.compile(checkpointer=saver)
+        monkeypatch.setattr(_langgraph_state, "publish", dying)
+        with pytest.raises(_Crash):
+            await _run(graph, tmp_path / "j.db")
+        monkeypatch.setattr(_langgraph_state, "publish", real)
+        asked = len(ASKED)
+        changed = build(ScriptedChat(), make_tools(ledger), system="You refund orders, politely.")
+        changed = changed.builder.compile(checkpointer=saver)
+        again = await _run(changed, tmp_path / "j.db")
+        state = changed.get_state(THREAD)
+    assert len(ASKED) == asked
+    assert str(again.output["messages"][-1].content) == "refunded order 42 to ana"
+    assert state.values == {}
+    assert "get_state shows an earlier pass" in caplog.text
 
 
 async def test_get_state_shows_the_interrupt_while_a_person_decides_then_the_final_state(

@@ -39,7 +39,7 @@ from .. import step_ids
 from .._canonical import fingerprint, key_header, model_key
 from .._crash import crash_point
 from ..errors import JournalCorrupt, ReplayDivergence, UncertainEffect, UsageError
-from ..events import Decision, Lease, Phase, RunStatus
+from ..events import Decision, Lease, Phase, RunStatus, StepEvent
 from ..journal.base import Checkpointer
 from ..model import ModelResponse, ToolCall, Usage
 from ..outcomes import bounded
@@ -94,6 +94,27 @@ class _Suspended(BaseException):
         self.step_id = step_id
 
 
+class NotRecorded(BaseException):
+    """A replaying pass (``GraphPass(replaying=True)``) reached a step the journal does not
+    hold: it asks and runs nothing, and stops (a BaseException, as ``_Suspended``)."""
+
+
+class _ReadOnly:
+    """A store a replaying pass reads, and never writes: every write is ``NotRecorded``."""
+
+    def __init__(self, store: Checkpointer) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def append(self, *events: StepEvent, **_: Any) -> None:
+        raise NotRecorded(", ".join(f"{e.step_id} {e.phase}" for e in events))
+
+    async def set_status(self, run_id: str, status: RunStatus, **_: Any) -> bool:
+        raise NotRecorded(f"status {status}")
+
+
 class GraphPass(HeldCommits):
     """The steps of one pass: what the journal holds, what this pass asks and runs."""
 
@@ -108,8 +129,13 @@ class GraphPass(HeldCommits):
         graph_digest: str,
         stats: RunStats,
         policy: Policy | None = None,
+        replaying: bool = False,
     ) -> None:
-        super().__init__(run_id, store, lease, journal)
+        """``replaying``: the run is closed and this pass only replays it (for the graph's
+        checkpointer): a step the journal lacks is ``NotRecorded``, never asked or run."""
+        read_only = cast("Checkpointer", _ReadOnly(store))
+        super().__init__(run_id, read_only if replaying else store, lease, journal)
+        self.replaying = replaying
         self.idempotent, self.graph_digest, self.stats = idempotent, graph_digest, stats
         self.policy = policy
         self.digests = Digests()  # what request_fingerprint hashed, for this pass
@@ -167,6 +193,8 @@ class GraphPass(HeldCommits):
             generations = self._replayed(step_id, fp, recorded, asked.node)
             output = None
         else:
+            if self.replaying:
+                raise NotRecorded(step_id)
             await self.settle()  # an answer no tool followed: durable before the next ask
             key = model_key(self.run_id, step_id, fp)
             sent = dict(asked.kwargs) | asked.traced

@@ -9,8 +9,8 @@ holds: the final state once the run is closed, the state at the ``interrupt()`` 
 its interrupt) while a person decides. A pass cut short (a crash, an error, an abandon)
 writes nothing there: the view then shows the last pass that ended, never a state the
 journal does not have. Copied after the journal's own record, so a process killed in
-between leaves the view one pass behind (``durable_run`` on the closed run returns its
-state from the journal and writes nothing).
+between leaves the view one pass behind: for a closed run, the next ``durable_run``
+replays the run from the journal (asking and running nothing) and copies its close.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig
@@ -68,6 +69,17 @@ def thread(run_id: str) -> RunnableConfig:
     return {"configurable": {"thread_id": run_id, "checkpoint_ns": ""}}
 
 
+async def shows_closed(target: BaseCheckpointSaver[Any], run_id: str) -> bool:
+    """Whether the run's latest checkpoint in ``target`` is the copy of its closing pass."""
+    try:
+        latest = await _call(target, "get_tuple", thread(run_id))
+    except Exception as exc:  # unreadable: not rewritten blindly either
+        log.warning("run %r: could not read the graph's checkpointer: %s", run_id, exc)
+        return True
+    marked = (latest.metadata or {}).get("asiento") if latest is not None else None
+    return isinstance(marked, dict) and marked.get("ended") == "closed"
+
+
 async def publish(
     source: BaseCheckpointSaver[Any],
     source_thread: str,
@@ -75,9 +87,12 @@ async def publish(
     run_id: str,
     *,
     ended: str,
+    values: Mapping[str, Any] | None = None,
 ) -> None:
     """Copy the pass's last checkpoint (and its pending writes: an interrupt's) from
     ``source`` into the graph's checkpointer ``target``, after the latest one there.
+    ``values``: the state the journal recorded, shown instead of the pass's own for the
+    channels it names (a replay gives the input's messages new ids; the record's count).
 
     A checkpointer that cannot take it (a locked file, a closed connection) is logged:
     the journal holds the run, the view lags a pass."""
@@ -85,7 +100,7 @@ async def publish(
     if found is None:
         return
     try:
-        await _copy(found, target, run_id, ended)
+        await _copy(found, target, run_id, ended, values)
     except Exception as exc:
         log.warning(
             "run %r: could not write its state to the graph's checkpointer "
@@ -96,13 +111,22 @@ async def publish(
 
 
 async def _copy(
-    found: CheckpointTuple, target: BaseCheckpointSaver[Any], run_id: str, ended: str
+    found: CheckpointTuple,
+    target: BaseCheckpointSaver[Any],
+    run_id: str,
+    ended: str,
+    values: Mapping[str, Any] | None,
 ) -> None:
     latest = await _call(target, "get_tuple", thread(run_id))
     after = latest.config if latest is not None else thread(run_id)
     metadata = {**found.metadata, "asiento": {"run_id": run_id, "ended": ended}}
-    versions = dict(found.checkpoint["channel_versions"])
-    saved = await _call(target, "put", after, found.checkpoint, metadata, versions)
+    checkpoint = found.checkpoint
+    if values:
+        held = dict(checkpoint["channel_values"])
+        held |= {name: value for name, value in values.items() if name in held}
+        checkpoint = {**checkpoint, "channel_values": held}
+    versions = dict(checkpoint["channel_versions"])
+    saved = await _call(target, "put", after, checkpoint, metadata, versions)
     by_task: dict[str, list[tuple[str, Any]]] = defaultdict(list)
     for task_id, channel, value in found.pending_writes or ():
         by_task[task_id].append((channel, value))

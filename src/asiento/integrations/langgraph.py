@@ -29,6 +29,7 @@ docs/integrations/langgraph.md.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -42,7 +43,7 @@ from langgraph.types import Command
 from .. import step_ids
 from .._canonical import fingerprint
 from .._names import names
-from ..errors import LeaseLost, UsageError
+from ..errors import AsientoError, LeaseLost, UsageError
 from ..events import Lease, Phase, RunStatus, Step, StepEvent
 from ..journal.base import Checkpointer
 from ..model import ModelRequest, ModelResponse
@@ -52,12 +53,14 @@ from ..replay import index
 from ..session import RunStats, Session
 from ..tools import check_seconds
 from . import _langgraph_pass, _langgraph_state
-from ._langgraph_pass import GraphPass, revive
+from ._langgraph_pass import GraphPass, NotRecorded, revive
 from ._worker import abandonment, pass_end
 
 __all__ = ["DurableResult", "WorkerAgent", "durable_run"]
 
 Graph = Pregel[Any, Any, Any, Any]
+
+log = logging.getLogger("asiento")
 
 _STATE_KEY = "langgraph_state"
 _MAX_INTERRUPTS = 10_000  # a graph answered more often than this in one pass loops
@@ -205,6 +208,7 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
     final = await store.final(run_id)
     if final is not None:
         await session.settle_closed()
+        await _show_closed(graph, input, session, options, final)
         return _closed(run_id, session, final)
     try:
         async with session.driving() as held:
@@ -219,23 +223,9 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
                 stats=session.stats,
                 policy=options.policy,
             )
-            memory = InMemorySaver()
-            own = graph.copy(update={"checkpointer": memory})
-            configurable = dict(options.config.get("configurable") or {})
-            configurable["thread_id"] = f"asiento:{run_id}"
-            config = cast("RunnableConfig", {**options.config, "configurable": configurable})
             with run.active():
                 try:
-                    state, waiting = await run.invoke(own, input, config)
-                    for _ in range(_MAX_INTERRUPTS):
-                        interrupts = (
-                            state.get("__interrupt__") if isinstance(state, Mapping) else None
-                        )
-                        if waiting is not None or not interrupts:
-                            break
-                        waiting, answer = await run.person(interrupts)
-                        if answer is not None:  # a person answered: the graph goes on
-                            state, waiting = await run.invoke(own, Command(resume=answer), config)
+                    state, waiting, memory = await _walk(graph, input, run, options)
                     if waiting is not None:  # a tool call or an interrupt waits for a person
                         await _show_state(graph, memory, run_id, ended="suspended")
                         return DurableResult(
@@ -266,11 +256,78 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
     return DurableResult(run_id=run_id, output=state, replayed=False, stats=session.stats)
 
 
-async def _show_state(graph: Graph, memory: InMemorySaver, run_id: str, *, ended: str) -> None:
-    """The pass's last checkpoint, written to the graph's own checkpointer if it has one."""
+async def _walk(
+    graph: Graph, input: Any, run: GraphPass, options: _Options
+) -> tuple[Any, str | None, InMemorySaver]:
+    """Run the graph from its start under ``run``, through the interrupts a person
+    answered: its state, the step waiting for a person (None), and its checkpoints."""
+    memory = InMemorySaver()
+    own = graph.copy(update={"checkpointer": memory})
+    configurable = dict(options.config.get("configurable") or {})
+    configurable["thread_id"] = f"asiento:{run.run_id}"
+    config = cast("RunnableConfig", {**options.config, "configurable": configurable})
+    state, waiting = await run.invoke(own, input, config)
+    for _ in range(_MAX_INTERRUPTS):
+        interrupts = state.get("__interrupt__") if isinstance(state, Mapping) else None
+        if waiting is not None or not interrupts:
+            break
+        waiting, answer = await run.person(interrupts)
+        if answer is not None:  # a person answered: the graph goes on
+            state, waiting = await run.invoke(own, Command(resume=answer), config)
+    return state, waiting, memory
+
+
+async def _show_closed(
+    graph: Graph, input: Any, session: Session, options: _Options, final: StepEvent
+) -> None:
+    """A closed run whose view in the graph's checkpointer is behind (its process died
+    between the final record and the copy): replay the run from the journal, asking and
+    running nothing, and write its last checkpoint there. Nothing if the view shows the
+    close already, or the run was abandoned (its view stays at the last pass that ended)."""
+    target = _langgraph_state.saver_of(graph)
+    if target is None or Final.from_json(final.payload).abandoned:
+        return
+    run_id = session.run_id
+    if await _langgraph_state.shows_closed(target, run_id):
+        return
+    run = GraphPass(
+        run_id,
+        session.store,
+        Lease(run_id=run_id, token=0, owner="asiento:replay", expires=0.0),  # never written
+        index(await session.store.load(run_id)),
+        idempotent=options.idempotent,
+        graph_digest=options.digest,
+        stats=RunStats(),  # a replay for the view: the call's figures stay the journal's
+        policy=options.policy,
+        replaying=True,
+    )
+    try:
+        with run.active():
+            _, waiting, memory = await _walk(graph, input, run, options)
+    except (NotRecorded, AsientoError) as exc:  # a changed graph, a step the journal lacks
+        log.warning(
+            "run %r: get_state shows an earlier pass: the closed run could not be replayed "
+            "for it: %s",
+            run_id,
+            exc,
+        )
+        return
+    recorded = final.payload.get(_STATE_KEY)
+    if waiting is None:
+        values = revive(recorded) if recorded is not None else None
+        await _show_state(graph, memory, run_id, ended="closed", values=values)
+
+
+async def _show_state(
+    graph: Graph, memory: InMemorySaver, run_id: str, *, ended: str, values: Any = None
+) -> None:
+    """The pass's last checkpoint, written to the graph's own checkpointer if it has one
+    (``values``: the state the journal recorded, for ``_langgraph_state.publish``)."""
     target = _langgraph_state.saver_of(graph)
     if target is not None:
-        await _langgraph_state.publish(memory, f"asiento:{run_id}", target, run_id, ended=ended)
+        source = f"asiento:{run_id}"
+        shown = values if isinstance(values, Mapping) else None
+        await _langgraph_state.publish(memory, source, target, run_id, ended=ended, values=shown)
 
 
 def _closed(run_id: str, session: Session, final: StepEvent) -> DurableResult:
