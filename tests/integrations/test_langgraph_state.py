@@ -135,7 +135,8 @@ async def test_a_close_the_view_missed_is_replayed_into_it_by_the_next_call(
         state = graph.get_state(THREAD)
         once_more = await _run(graph, tmp_path / "j.db")
         history = list(graph.get_state_history(THREAD))
-    assert again.replayed and once_more.replayed
+    assert again.replayed
+    assert once_more.replayed
     assert (len(ASKED), lines(ledger)) == (asked, effects) == (3, ["lookup 42", "refund 42 ana"])
     assert again.stats.model_calls_replayed == 0  # the call's figures: nothing replayed
     assert state.values == again.output
