@@ -109,6 +109,22 @@ async def test_get_state_shows_the_journals_final_state_after_a_crash_and_a_resu
     assert state.metadata["asiento"] == {"run_id": "r1", "ended": "closed"}
 
 
+async def _closed_before_its_copy(graph: Any, path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run ``graph`` to its close, the process dying after the journal's final record and
+    before the copy of the closing pass into the graph's checkpointer."""
+    real = _langgraph_state.publish
+
+    async def dying(*args: Any, ended: str, **kwargs: Any) -> None:
+        if ended == "closed":
+            raise _Crash
+        await real(*args, ended=ended, **kwargs)
+
+    monkeypatch.setattr(_langgraph_state, "publish", dying)
+    with pytest.raises(_Crash):
+        await _run(graph, path)
+    monkeypatch.setattr(_langgraph_state, "publish", real)
+
+
 async def test_a_close_the_view_missed_is_replayed_into_it_by_the_next_call(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -116,19 +132,9 @@ async def test_a_close_the_view_missed_is_replayed_into_it_by_the_next_call(
     a pass behind; the next durable_run of the closed run replays it from the journal,
     asking no model and running no tool, and get_state then shows the final state."""
     ledger = tmp_path / "ledger"
-    real = _langgraph_state.publish
-
-    async def dying(*args: Any, ended: str, **kwargs: Any) -> None:
-        if ended == "closed":
-            raise _Crash  # the process dies after the journal's close, before the copy
-        await real(*args, ended=ended, **kwargs)
-
     async with _saver(tmp_path / "graph.db", "sync") as saver:
         graph = build(ScriptedChat(), make_tools(ledger)).builder.compile(checkpointer=saver)
-        monkeypatch.setattr(_langgraph_state, "publish", dying)
-        with pytest.raises(_Crash):
-            await _run(graph, tmp_path / "j.db")
-        monkeypatch.setattr(_langgraph_state, "publish", real)
+        await _closed_before_its_copy(graph, tmp_path / "j.db", monkeypatch)
         assert graph.get_state(THREAD).values == {}  # the view missed the close
         asked, effects = len(ASKED), lines(ledger)
         again = await _run(graph, tmp_path / "j.db")
@@ -152,19 +158,9 @@ async def test_a_closed_run_the_graph_no_longer_replays_leaves_the_view_as_it_wa
     first step the journal does not hold (nothing asked), a warning names the run, and
     the call still returns the journal's final state."""
     ledger = tmp_path / "ledger"
-    real = _langgraph_state.publish
-
-    async def dying(*args: Any, ended: str, **kwargs: Any) -> None:
-        if ended == "closed":
-            raise _Crash
-        await real(*args, ended=ended, **kwargs)
-
     async with _saver(tmp_path / "graph.db", "sync") as saver:
         graph = build(ScriptedChat(), make_tools(ledger)).builder.compile(checkpointer=saver)
-        monkeypatch.setattr(_langgraph_state, "publish", dying)
-        with pytest.raises(_Crash):
-            await _run(graph, tmp_path / "j.db")
-        monkeypatch.setattr(_langgraph_state, "publish", real)
+        await _closed_before_its_copy(graph, tmp_path / "j.db", monkeypatch)
         asked = len(ASKED)
         changed = build(ScriptedChat(), make_tools(ledger), system="You refund orders, politely.")
         changed = changed.builder.compile(checkpointer=saver)

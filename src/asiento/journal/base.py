@@ -318,9 +318,11 @@ def budget_params(events: Sequence[StepEvent]) -> dict[str, Any]:
     records limits, ``b_<column>`` those limits; ``r_<column>`` the raises of the limits
     recorded before (None: no raise of that limit)."""
     note = noted(events)
-    limits: Limits = {} if note is None or note.limits is None else note.limits
-    raises = {} if note is None or note.raises is None else note.raises
-    params: dict[str, Any] = {"budget": note is not None, "bset": bool(limits)}
+    if note is None:  # almost every append: nothing about the budget
+        return dict(_NO_BUDGET)
+    limits: Limits = {} if note.limits is None else note.limits
+    raises = {} if note.raises is None else note.raises
+    params: dict[str, Any] = {"budget": True, "bset": bool(limits)}
     for column, name in BUDGET_COLUMNS:
         params[f"b_{column}"] = index_limit(column, limits.get(name))
         params[f"r_{column}"] = index_limit(column, raises.get(name))
@@ -340,6 +342,11 @@ def check_release(
     if lease is None or status is None or RunStatus(status) is not RunStatus.CLOSED:
         raise UsageError("append(release=...) needs lease=... and status=RunStatus.CLOSED")
     return release
+
+
+_NO_BUDGET: dict[str, Any] = {"budget": False, "bset": False} | {
+    f"{kind}_{column}": None for column, _ in BUDGET_COLUMNS for kind in ("b", "r")
+}
 
 
 def index_limit(column: str, value: float | None) -> float | int | None:
@@ -427,6 +434,8 @@ def check_id(what: str, value: object) -> str:
         raise UsageError(f"{what} is {len(value)} characters long; the limit is 512")
     if "\x00" in value:
         raise UsageError(f"{what} must not contain NUL characters")
+    if value.isascii():  # nearly every id: no surrogate to look for
+        return value
     try:
         value.encode()
     except UnicodeEncodeError as exc:
