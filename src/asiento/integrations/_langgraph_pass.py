@@ -94,13 +94,18 @@ class _Suspended(BaseException):
         self.step_id = step_id
 
 
-class NotRecorded(BaseException):
+class _NotRecorded(BaseException):
     """A replaying pass (``GraphPass(replaying=True)``) reached a step the journal does not
-    hold: it asks and runs nothing, and stops (a BaseException, as ``_Suspended``)."""
+    hold: it asks and runs nothing, and stops (a BaseException, as ``_Suspended``: no graph
+    code catches it); ``GraphPass.invoke`` turns it into ``ReplayDivergence``."""
+
+    def __init__(self, step_id: str) -> None:
+        super().__init__(step_id)
+        self.step_id = step_id
 
 
 class _ReadOnly:
-    """A store a replaying pass reads, and never writes: every write is ``NotRecorded``."""
+    """A store a replaying pass reads, and never writes: every write is ``_NotRecorded``."""
 
     def __init__(self, store: Checkpointer) -> None:
         self._store = store
@@ -109,10 +114,10 @@ class _ReadOnly:
         return getattr(self._store, name)
 
     async def append(self, *events: StepEvent, **_: Any) -> None:
-        raise NotRecorded(", ".join(f"{e.step_id} {e.phase}" for e in events))
+        raise _NotRecorded(events[0].step_id if events else "?")
 
     async def set_status(self, run_id: str, status: RunStatus, **_: Any) -> bool:
-        raise NotRecorded(f"status {status}")
+        raise _NotRecorded(f"status {status}")
 
 
 class GraphPass(HeldCommits):
@@ -132,7 +137,8 @@ class GraphPass(HeldCommits):
         replaying: bool = False,
     ) -> None:
         """``replaying``: the run is closed and this pass only replays it (for the graph's
-        checkpointer): a step the journal lacks is ``NotRecorded``, never asked or run."""
+        checkpointer): a step the journal lacks is ``ReplayDivergence``, never
+        asked or run."""
         read_only = cast("Checkpointer", _ReadOnly(store))
         super().__init__(run_id, read_only if replaying else store, lease, journal)
         self.replaying = replaying
@@ -194,7 +200,7 @@ class GraphPass(HeldCommits):
             output = None
         else:
             if self.replaying:
-                raise NotRecorded(step_id)
+                raise _NotRecorded(step_id)
             await self.settle()  # an answer no tool followed: durable before the next ask
             key = model_key(self.run_id, step_id, fp)
             sent = dict(asked.kwargs) | asked.traced
@@ -383,12 +389,25 @@ class GraphPass(HeldCommits):
         except _Suspended as stop:
             await self.settle()
             return None, stop.step_id
+        except _NotRecorded as missing:
+            raise self._unrecorded(missing) from None
+
+    def _unrecorded(self, missing: _NotRecorded) -> ReplayDivergence:
+        """What a replaying pass that reached a step the journal lacks raises."""
+        why = "the closed run's journal does not hold this step"
+        return ReplayDivergence(self.run_id, missing.step_id, why)
 
     # -- a person: interrupt() ------------------------------------------------------------
 
     async def person(self, interrupts: Sequence[Any]) -> tuple[str, dict[str, Any] | None]:
         """The step of the graph's ``interrupt()`` and a person's answer to it (None: the
         run waits for it, suspended, as for an approval: ``asiento approve`` / ``deny``)."""
+        try:
+            return await self._person(interrupts)
+        except _NotRecorded as missing:
+            raise self._unrecorded(missing) from None
+
+    async def _person(self, interrupts: Sequence[Any]) -> tuple[str, dict[str, Any] | None]:
         if len(interrupts) != 1:
             raise UsageError(
                 f"run {self.run_id!r}: {len(interrupts)} interrupts at once (parallel nodes): "

@@ -53,7 +53,7 @@ from ..replay import index
 from ..session import RunStats, Session
 from ..tools import check_seconds
 from . import _langgraph_pass, _langgraph_state
-from ._langgraph_pass import GraphPass, NotRecorded, revive
+from ._langgraph_pass import GraphPass, revive
 from ._worker import abandonment, pass_end
 
 __all__ = ["DurableResult", "WorkerAgent", "durable_run"]
@@ -304,7 +304,7 @@ async def _show_closed(
     try:
         with run.active():
             _, waiting, memory = await _walk(graph, input, run, options)
-    except (NotRecorded, AsientoError) as exc:  # a changed graph, a step the journal lacks
+    except AsientoError as exc:  # a changed graph: ReplayDivergence
         log.warning(
             "run %r: get_state shows an earlier pass: the closed run could not be replayed "
             "for it: %s",
