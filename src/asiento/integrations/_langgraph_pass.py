@@ -139,8 +139,9 @@ class GraphPass(HeldCommits):
         """``replaying``: the run is closed and this pass only replays it (for the graph's
         checkpointer): a step the journal lacks is ``ReplayDivergence``, never
         asked or run."""
-        read_only = cast("Checkpointer", _ReadOnly(store))
-        super().__init__(run_id, read_only if replaying else store, lease, journal)
+        if replaying:
+            store = cast("Checkpointer", _ReadOnly(store))
+        super().__init__(run_id, store, lease, journal)
         self.replaying = replaying
         self.idempotent, self.graph_digest, self.stats = idempotent, graph_digest, stats
         self.policy = policy

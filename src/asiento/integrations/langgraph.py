@@ -312,22 +312,27 @@ async def _show_closed(
             exc,
         )
         return
-    recorded = final.payload.get(_STATE_KEY)
     if waiting is None:
+        recorded = final.payload.get(_STATE_KEY)
         values = revive(recorded) if recorded is not None else None
-        await _show_state(graph, memory, run_id, ended="closed", values=values)
+        shown = values if isinstance(values, Mapping) else None
+        await _show_state(graph, memory, run_id, ended="closed", values=shown)
 
 
 async def _show_state(
-    graph: Graph, memory: InMemorySaver, run_id: str, *, ended: str, values: Any = None
+    graph: Graph,
+    memory: InMemorySaver,
+    run_id: str,
+    *,
+    ended: str,
+    values: Mapping[str, Any] | None = None,
 ) -> None:
     """The pass's last checkpoint, written to the graph's own checkpointer if it has one
     (``values``: the state the journal recorded, for ``_langgraph_state.publish``)."""
     target = _langgraph_state.saver_of(graph)
     if target is not None:
         source = f"asiento:{run_id}"
-        shown = values if isinstance(values, Mapping) else None
-        await _langgraph_state.publish(memory, source, target, run_id, ended=ended, values=shown)
+        await _langgraph_state.publish(memory, source, target, run_id, ended=ended, values=values)
 
 
 def _closed(run_id: str, session: Session, final: StepEvent) -> DurableResult:

@@ -454,7 +454,8 @@ class SqliteCheckpointer:
             db.executemany(_INSERT_RECORD, rows)
         except sqlite3.IntegrityError:
             raise self._duplicate(run_id, rows, alone=alone) from None
-        self._give_up(_releases([item]), now)
+        if item.release is not None:  # the closing append: its lease goes with it
+            self._give_up(_releases([item]), now)
 
     def _duplicate(self, run_id: str, rows: list[Row], *, alone: bool) -> DuplicateRecord:
         """Undo the append's rows and name its first record the journal already held."""
