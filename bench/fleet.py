@@ -61,6 +61,7 @@ from asiento import (
     submit,
     tool,
 )
+from asiento.journal.memory import MemoryCheckpointer
 from asiento.testing import ScriptedGateway
 from asiento.testing.postgres import PostgresUnavailable, start_local_postgres
 
@@ -419,9 +420,12 @@ def ideal_seconds(run_ids: list[str], concurrency: int, latency: float, jitter: 
 
 
 async def _one_sqlite_worker(
-    path: Path, runs: int, concurrency: int, latency: float, jitter: float = 0.0
+    path: Path | None, runs: int, concurrency: int, latency: float, jitter: float = 0.0
 ) -> dict[str, Any]:
-    store = await open_store(str(path))
+    """One worker at ``concurrency`` over ``runs`` runs on the SQLite file ``path``, or,
+    with ``path`` None, on the in-memory journal: the same worker with a journal that
+    costs no commit, the ceiling of what a faster store could give it."""
+    store = MemoryCheckpointer() if path is None else await open_store(str(path))
     run_ids = [f"run-{n:05d}" for n in range(runs)]
     for n, run_id in enumerate(run_ids):
         await submit(store, run_id, f"task {n}")
@@ -459,11 +463,12 @@ def concurrency_table(
     folder: Path, levels: list[int], latency: float, runs_per_slot: int, jitter: float = 0.0
 ) -> None:
     """One process on SQLite at each concurrency: steps/s against the ideal, commits a step."""
-    rows = []
+    rows, ceilings = [], []
     for level in levels:
         runs = max(8, level * runs_per_slot)
         path = folder / f"concurrency-{level}.db"
         rows.append(asyncio.run(_one_sqlite_worker(path, runs, level, latency, jitter)))
+        ceilings.append(asyncio.run(_one_sqlite_worker(None, runs, level, latency, jitter)))
     base = rows[0]["model_steps_per_s"]
     spread = f" x U({1 - jitter:g}, {1 + jitter:g})" if jitter else ""
     print(
@@ -473,19 +478,24 @@ def concurrency_table(
     print(
         f"{'concurrency':>11} {'runs':>6} {'closed':>6} {'steps/s':>9} {'model/s':>9}"
         f" {'ideal':>8} {'of_ideal':>8} {'vs_c1':>7} {'commits/step':>12}"
+        f" {'memory_of_ideal':>15} {'vs_memory':>9}"
     )
-    for row in rows:
+    for row, ceiling in zip(rows, ceilings, strict=True):
+        of_memory = ceiling["model_steps_per_s"] / ceiling["ideal_model_steps_per_s"]
         print(
             f"{row['concurrency']:>11} {row['runs']:>6} {row['closed']:>6}"
             f" {row['steps_per_s']:>9.1f} {row['model_steps_per_s']:>9.1f}"
             f" {row['ideal_model_steps_per_s']:>8.1f}"
             f" {row['model_steps_per_s'] / row['ideal_model_steps_per_s']:>8.2f}"
             f" {row['model_steps_per_s'] / base:>7.1f} {row['commits_per_step']:>12.2f}"
+            f" {of_memory:>15.2f} {row['model_steps_per_s'] / ceiling['model_steps_per_s']:>9.2f}"
         )
     print(
         "\nideal: model answers a second if the runs took nothing but the model's time"
         "\n(concurrency / latency without --jitter). commits/step: the store's write"
         "\ntransactions (claims, appends, renewals, releases, status changes) per step."
+        "\nmemory_of_ideal: the same worker on the in-memory journal (no commit at all),"
+        "\nmeasured right after; vs_memory: SQLite's throughput against it."
     )
 
 

@@ -64,6 +64,7 @@ def test_fleet_concurrency_table_closes_every_run(tmp_path: Path, jitter: str) -
         row = _table_row(done.stdout, "concurrency", level)
         assert (row["runs"], row["closed"]) == (runs, runs), row
         assert 0 < float(row["of_ideal"]) < 1.5, row
+        assert 0 < float(row["memory_of_ideal"]) < 1.5, row  # the ceiling ran beside it
     assert ("x U(0.5, 1.5)" in done.stdout) == (jitter == "0.5"), done.stdout
 
 
