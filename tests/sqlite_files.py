@@ -26,8 +26,9 @@ class Journal:
         return store
 
 
-def record_commits(store: SqliteCheckpointer) -> list[int]:
-    """From now on, for each COMMIT of ``store`` that wrote journal records, how many."""
+def record_commits(store: SqliteCheckpointer, *, every: bool = False) -> list[int]:
+    """From now on, for each COMMIT of ``store`` that wrote journal records, how many
+    (``every``: each other write transaction too, a lease's or the index's, as 0)."""
     commits: list[int] = []
     inserts = 0
 
@@ -35,7 +36,7 @@ def record_commits(store: SqliteCheckpointer) -> list[int]:
         nonlocal inserts
         if sql.lstrip().upper().startswith("INSERT INTO JOURNAL"):
             inserts += 1
-        elif "COMMIT" in sql.upper() and inserts:
+        elif "COMMIT" in sql.upper() and (inserts or every):
             commits.append(inserts)
             inserts = 0
 

@@ -94,16 +94,21 @@ async def test_each_model_and_tool_step_costs_two_commits_and_the_close_one(
     tmp_path: Path,
 ) -> None:
     """As a native run: an answer rides with its tool's intent and submitted, the tool's
-    outcome is one commit, and the last answer rides with the final record."""
+    outcome is one commit, and the last answer rides with the final record, which gives
+    the lease up (no release of its own)."""
     store = SqliteCheckpointer(tmp_path / "j.db")
     try:
-        commits = record_commits(store)
+        commits = record_commits(store, every=True)
         graph = build(ScriptedChat(), make_tools(tmp_path / "ledger"))
         await durable_run(graph, INPUT, run_id="r1", store=store)
+        info = await store.run("r1")
     finally:
         await store.close()
-    # (m1, intent, submitted), result, (m2, intent, submitted), result, (m3, final)
-    assert commits == [3, 1, 3, 1, 2]
+    # the lease, (m1, intent, submitted), result, (m2, intent, submitted), result,
+    # (m3, final) with the release
+    assert commits == [0, 3, 1, 3, 1, 2]
+    assert info is not None
+    assert (info.status, info.lease_owner) == (RunStatus.CLOSED, None)
 
 
 async def test_a_pass_cut_between_super_steps_replays_what_it_recorded(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ from asiento.lease import Holder
 from asiento.proxy import create_app
 from asiento.testing import ENV_VAR
 from providers.fake_servers import Answer, AsgiServer, FakeProvider
+from sqlite_files import record_commits
 
 from .oa_child import TASK, build_agent
 
@@ -349,6 +350,26 @@ async def test_the_run_is_listed_like_a_native_run(
     )  # fmt: skip
     assert "m1.t1" in shown.stdout
     assert "closed after m2" in shown.stdout
+
+
+async def test_a_model_and_tool_step_costs_two_commits_and_the_close_gives_the_lease_up(
+    provider: FakeProvider, tmp_path: Path, clients: list[openai.AsyncOpenAI]
+) -> None:
+    """As a native run: m1's answer rides with its tool's intent and submitted, the
+    outcome is one commit, m2's answer rides with the final record, and that commit
+    gives the lease up (no release of its own)."""
+    clients.append(sdk(provider))
+    agent = build_agent(clients[-1], tmp_path / "tools.log")
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        commits = record_commits(store, every=True)
+        await durable_run(agent, TASK, run_id=RUN, store=store)
+        info = await store.run(RUN)
+    finally:
+        await store.close()
+    assert commits == [0, 3, 1, 2]  # the lease, (m1, intent, submitted), result, (m2, final)
+    assert info is not None
+    assert (info.status, info.lease_owner) == (RunStatus.CLOSED, None)
 
 
 # -- what it refuses, rather than repeat effects silently --------------------------------

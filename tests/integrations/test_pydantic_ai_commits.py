@@ -21,7 +21,7 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from asiento import Phase, SqliteCheckpointer
+from asiento import Phase, RunStatus, SqliteCheckpointer
 from asiento.integrations.pydantic_ai import durable_run
 from sqlite_files import record_commits
 
@@ -42,10 +42,11 @@ def _bench_agent() -> Agent[None, str]:
 
 async def test_a_model_and_tool_step_costs_two_commits(tmp_path: Path) -> None:
     """m1's answer is committed with m1.t1's intent and submitted, and m2's with the
-    final record: three commits for the run's six records."""
+    final record: three commits for the run's six records, and the last gives the
+    lease up (no release of its own)."""
     store = SqliteCheckpointer(tmp_path / "runs.db")
     try:
-        commits = record_commits(store)
+        commits = record_commits(store, every=True)
         result = await durable_run(_bench_agent(), "refund A1", run_id="r1", store=store)
         assert result.output == "refunded A1"
         records = [(e.step_id, e.phase) for e in await store.load("r1")]
@@ -57,7 +58,11 @@ async def test_a_model_and_tool_step_costs_two_commits(tmp_path: Path) -> None:
             ("m2", Phase.RESULT),
             ("final", Phase.RESULT),
         ]
-        assert commits == [3, 1, 2]  # (m1, intent, submitted), the result, (m2, final)
+        # the lease taken, (m1, intent, submitted), the result, (m2, final) with the release
+        assert commits == [0, 3, 1, 2]
+        info = await store.run("r1")
+        assert info is not None
+        assert (info.status, info.lease_owner) == (RunStatus.CLOSED, None)
     finally:
         await store.close()
 

@@ -17,10 +17,10 @@ from typing import Any
 from .. import step_ids
 from .._crash import crash_point
 from ..errors import AsientoError, LeaseLost, RunAbandoned
-from ..events import Decision, Lease, Phase, RunStatus, StepEvent
+from ..events import Decision, Lease, Phase, RunStatus, Savings, StepEvent
 from ..journal.base import Checkpointer
 from ..replay import Indexed
-from ..session import abandonment
+from ..session import Session, abandonment
 
 log = logging.getLogger("asiento")
 
@@ -44,8 +44,11 @@ class HeldCommits:
         """A new model answer: committed with the next append."""
         self.held.append(answer)
 
-    async def append(self, *events: StepEvent, status: RunStatus | None = None) -> None:
-        """Commit ``events`` in one transaction, after the model answer held for them."""
+    async def append(
+        self, *events: StepEvent, status: RunStatus | None = None, release: Savings | None = None
+    ) -> None:
+        """Commit ``events`` in one transaction, after the model answer held for them
+        (``release``: the closing commit gives the lease up too, ``append_closing``)."""
         batch, self.held = [*self.held, *events], []
         if not batch:
             if status is not None:
@@ -53,7 +56,8 @@ class HeldCommits:
             return
         async with self.writing:
             try:
-                await self.store.append(*batch, status=status, lease=self.lease)
+                closing = {} if release is None else {"release": release}
+                await self.store.append(*batch, status=status, lease=self.lease, **closing)
             except RunAbandoned:
                 raise
             except LeaseLost as lost:  # abandoned: say which outcomes this pass could not keep
@@ -65,6 +69,13 @@ class HeldCommits:
             self.journal.setdefault(event.step_id, {})[event.phase] = event
         if any(e.phase is Phase.RESULT and step_ids.is_model(e.step_id) for e in batch):
             crash_point("after_model_result")
+
+    async def append_closing(self, session: Session, *events: StepEvent) -> None:
+        """The run's closing commit, which gives ``session``'s lease up in its own
+        transaction, as a native run's does: one commit a run fewer, and no closed run
+        left holding a lease by a kill between the two."""
+        await self.append(*events, status=RunStatus.CLOSED, release=session.closing())
+        session.closed()
 
     async def settle(self) -> None:
         """Commit a held model answer now: the pass ends, or asks the model again first."""

@@ -500,7 +500,7 @@ class Pass(HeldCommits):
         }
         ended = self.trace.end("closed")  # its mark rides the final commit
         events = [self.event(step_ids.FINAL, Phase.RESULT, final)]
-        await self.append(*events, *([ended] if ended else []), status=RunStatus.CLOSED)
+        await self.append_closing(self.session, *events, *([ended] if ended else []))
 
 
 _RETRY_PREFIX = "model_retry: "

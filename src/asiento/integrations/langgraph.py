@@ -44,7 +44,7 @@ from .. import step_ids
 from .._canonical import fingerprint
 from .._names import names
 from ..errors import AsientoError, LeaseLost, UsageError
-from ..events import Lease, Phase, RunStatus, Step, StepEvent
+from ..events import Lease, Phase, Step, StepEvent
 from ..journal.base import Checkpointer
 from ..model import ModelRequest, ModelResponse
 from ..payloads import Final
@@ -247,9 +247,7 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
             closing = Final(step=last, text=run.last_text).to_json() | {_STATE_KEY: state_dump}
             # The last model answer, held, rides this commit (one fsync a run fewer), as a
             # native run's does.
-            await run.append(
-                run.event(step_ids.FINAL, Phase.RESULT, closing), status=RunStatus.CLOSED
-            )
+            await run.append_closing(session, run.event(step_ids.FINAL, Phase.RESULT, closing))
             await _show_state(graph, memory, run_id, ended="closed")
     except LeaseLost as exc:
         raise await abandonment(session, exc)  # noqa: B904 (the error itself, or its cause set)

@@ -162,6 +162,7 @@ async def _pass(
                 run,
                 durable,
                 input,
+                session,
                 context=options.context,
                 max_turns=options.max_turns,
                 config=config,
@@ -214,7 +215,14 @@ class WorkerAgent:
 
 
 async def _drive(
-    run: _Run, agent: Agent[Any], input: str, *, context: Any, max_turns: int, config: RunConfig
+    run: _Run,
+    agent: Agent[Any],
+    input: str,
+    session: Session,
+    *,
+    context: Any,
+    max_turns: int,
+    config: RunConfig,
 ) -> DurableResult:
     """One ``Runner.run`` of the wrapped agent, to its end or to a stop for a person."""
     try:
@@ -227,9 +235,10 @@ async def _drive(
         return DurableResult(
             run_id=run.run_id, final_output=None, replayed=False, awaiting=stop.awaiting
         )
+    else:  # the last answer, held, rides the closing commit (one commit a run fewer)
+        await run.close(result.final_output, session)
     finally:
         await run.keep_paid_answer()
-    await run.close(result.final_output)
     return DurableResult(
         run_id=run.run_id, final_output=result.final_output, replayed=False, result=result
     )
@@ -510,13 +519,13 @@ class _Run(HeldCommits):
             )
         return step_id
 
-    async def close(self, output: Any) -> None:
+    async def close(self, output: Any, session: Session) -> None:
         recorded = wire.jsonable(output)
         text = recorded if isinstance(recorded, str) else json.dumps(recorded, ensure_ascii=False)
         payload = Final(step=self.last_step, text=text).to_json() | {"output": recorded}
         event = self.event(step_ids.FINAL, Phase.RESULT, payload)
         ended = self.trace.end("closed")  # its mark rides the final commit
-        await self.append(event, *([ended] if ended else []), status=RunStatus.CLOSED)
+        await self.append_closing(session, event, *([ended] if ended else []))
 
 
 class _JournaledProvider(ModelProvider):
