@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 from langchain_core.messages import AIMessage
+from langchain_core.tools import tool
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.types import Send
 
 from asiento import (
     App,
+    RecordTooLarge,
     ReplayDivergence,
     RunStatus,
     SqliteCheckpointer,
@@ -109,6 +111,38 @@ async def test_each_model_and_tool_step_costs_two_commits_and_the_close_one(
     assert commits == [0, 3, 1, 3, 1, 2]
     assert info is not None
     assert (info.status, info.lease_owner) == (RunStatus.CLOSED, None)
+
+
+async def test_a_final_state_too_large_keeps_the_last_answer_it_would_have_carried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The graph's final state (every message) is over the journal's limit though each
+    step's record is not: the pass fails with RecordTooLarge, and the last answer,
+    which was to ride the final commit, is recorded alone, so the next pass fails the
+    same way without paying for it again."""
+    monkeypatch.setattr("asiento.journal.base.MAX_RECORD_BYTES", 50_000)
+
+    @tool
+    def lookup(order: int) -> str:
+        """Look an order up (read-only)."""
+        return "l" * 30_000
+
+    @tool
+    def refund(order: int, to: str) -> str:
+        """Refund an order (an effect: once)."""
+        return "r" * 30_000
+
+    graph = build(ScriptedChat(), [lookup, refund])
+    for passes in (1, 2):
+        with pytest.raises(RecordTooLarge, match="final"):
+            await _run(graph, tmp_path / "j.db", idempotent=["lookup"])
+        store = SqliteCheckpointer(tmp_path / "j.db")
+        try:
+            records = [(e.step_id, e.phase) for e in await store.load("r1")]
+        finally:
+            await store.close()
+        assert records[-1] == ("m3", Phase.RESULT), passes
+        assert ASKED == [0, 1, 2], passes  # each answer paid once
 
 
 async def test_a_pass_cut_between_super_steps_replays_what_it_recorded(tmp_path: Path) -> None:

@@ -18,10 +18,11 @@ from pydantic_ai.messages import (
     ModelMessage,
     ModelResponse,
     TextPart,
+    ToolCallPart,
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
-from asiento import Phase, RunStatus, SqliteCheckpointer
+from asiento import Phase, RecordTooLarge, RunStatus, SqliteCheckpointer
 from asiento.integrations.pydantic_ai import durable_run
 from sqlite_files import record_commits
 
@@ -122,5 +123,41 @@ async def test_a_retried_output_commits_the_first_answer_before_asking_again(
         result = await durable_run(agent, "answer", run_id="r3", store=store)
         assert result.output == "better"
         assert seen_at_second_ask == [["m1"]]
+    finally:
+        await store.close()
+
+
+async def test_a_final_record_too_large_keeps_the_last_answer_it_would_have_carried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The final record (the output and the whole conversation) is over the journal's
+    limit though each step's record is not: the pass fails with RecordTooLarge, and
+    the last answer, which was to ride that commit, is recorded alone, so the next
+    pass fails the same way without paying for the answer again."""
+    monkeypatch.setattr("asiento.journal.base.MAX_RECORD_BYTES", 60_000)
+    asked.clear()
+    long_text = "x" * 25_000
+
+    def reads_then_answers(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        asked.append(len(messages))
+        if len(messages) == 1:
+            return ModelResponse(parts=[ToolCallPart("read", {})])
+        return ModelResponse(parts=[TextPart(long_text)])
+
+    agent: Agent[None, str] = Agent(FunctionModel(reads_then_answers), instructions="Read.")
+
+    @agent.tool_plain
+    def read() -> str:
+        """Read the file."""
+        return "y" * 30_000
+
+    store = SqliteCheckpointer(tmp_path / "runs.db")
+    try:
+        for passes in (1, 2):
+            with pytest.raises(RecordTooLarge, match="final"):
+                await durable_run(agent, "read it", run_id="r3", store=store, idempotent=["read"])
+            records = [(e.step_id, e.phase) for e in await store.load("r3")]
+            assert records[-1] == ("m2", Phase.RESULT), passes
+            assert len(asked) == 2, passes  # m1 and m2, each paid once
     finally:
         await store.close()

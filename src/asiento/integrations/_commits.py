@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import step_ids
 from .._crash import crash_point
-from ..errors import AsientoError, LeaseLost, RunAbandoned
+from ..errors import AsientoError, LeaseLost, RecordTooLarge, RunAbandoned
 from ..events import Decision, Lease, Phase, RunStatus, Savings, StepEvent
 from ..journal.base import Checkpointer
 from ..replay import Indexed
@@ -49,7 +49,8 @@ class HeldCommits:
     ) -> None:
         """Commit ``events`` in one transaction, after the model answer held for them
         (``release``: the closing commit gives the lease up too, ``append_closing``)."""
-        batch, self.held = [*self.held, *events], []
+        held, self.held = self.held, []
+        batch = [*held, *events]
         if not batch:
             if status is not None:
                 await self.store.set_status(self.run_id, status, lease=self.lease)
@@ -58,6 +59,9 @@ class HeldCommits:
             try:
                 closing = {} if release is None else {"release": release}
                 await self.store.append(*batch, status=status, lease=self.lease, **closing)
+            except RecordTooLarge:  # nothing written: the paid answer must not go with it
+                self.held = [*held, *self.held]
+                raise
             except RunAbandoned:
                 raise
             except LeaseLost as lost:  # abandoned: say which outcomes this pass could not keep

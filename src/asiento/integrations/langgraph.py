@@ -240,14 +240,15 @@ async def _drive(graph: Graph, input: Any, session: Session, options: _Options) 
                     raise
             last = step_ids.model(run.turns) if run.turns else step_ids.FINAL
             try:
-                state_dump = dumpd(state)
+                closing = Final(step=last, text=run.last_text).to_json() | {
+                    _STATE_KEY: dumpd(state)
+                }
+                # The last model answer, held, rides this commit (one fsync a run fewer),
+                # as a native run's does.
+                await run.append_closing(session, run.event(step_ids.FINAL, Phase.RESULT, closing))
             except BaseException:  # the state cannot be recorded: the paid answer still is
                 await run.keep_paid_answer()
                 raise
-            closing = Final(step=last, text=run.last_text).to_json() | {_STATE_KEY: state_dump}
-            # The last model answer, held, rides this commit (one fsync a run fewer), as a
-            # native run's does.
-            await run.append_closing(session, run.event(step_ids.FINAL, Phase.RESULT, closing))
             await _show_state(graph, memory, run_id, ended="closed")
     except LeaseLost as exc:
         raise await abandonment(session, exc)  # noqa: B904 (the error itself, or its cause set)
