@@ -28,6 +28,8 @@ from asiento.testing import ENV_VAR
 from otel_readings import Key, figures, grew
 from providers.fake_servers import Answer, FakeProvider
 
+from .refund_tools import counted_tools
+
 RUN = "refund-9"
 TASK = "refund order A1"
 LOOKUPS = Answer(calls=(("lookup", {"order": "A1"}), ("lookup", {"order": "B2"})))  # side by side
@@ -125,17 +127,9 @@ def _pydantic_agent(client: Any, ran: Counter[str], instrumented: TracerProvider
     output: list[Any] = [str, DeferredToolRequests]
     agent = Agent(model, name="refunds", output_type=output, capabilities=capabilities)
 
-    @agent.tool_plain
-    def lookup(order: str) -> str:
-        """Look an order up."""
-        ran["lookup"] += 1
-        return f"{order}: paid 10 EUR"
-
-    @agent.tool_plain(requires_approval=True)
-    def refund(order: str) -> str:
-        """Refund an order."""
-        ran["refund"] += 1
-        return f"refunded {order}"
+    lookup, refund = counted_tools(ran)
+    agent.tool_plain(lookup)
+    agent.tool_plain(requires_approval=True)(refund)
 
     return agent
 
@@ -249,17 +243,8 @@ async def test_an_agents_sdk_run_is_one_trace_with_a_span_per_paid_step(
     tracers, exporter = spans
     ran: Counter[str] = Counter()
 
-    @function_tool
-    def lookup(order: str) -> str:
-        """Look an order up."""
-        ran["lookup"] += 1
-        return f"{order}: paid 10 EUR"
-
-    @function_tool(needs_approval=True)
-    def refund(order: str) -> str:
-        """Refund an order."""
-        ran["refund"] += 1
-        return f"refunded {order}"
+    lookup, refund = counted_tools(ran)
+    tools = [function_tool(lookup), function_tool(refund, needs_approval=True)]
 
     telemetry = Telemetry(tracer_provider=tracers)
     store = SqliteCheckpointer(tmp_path / "runs.db")
@@ -268,7 +253,7 @@ async def test_an_agents_sdk_run_is_one_trace_with_a_span_per_paid_step(
             base_url=provider.openai_url, api_key="sk-t", max_retries=0
         ) as client:
             model = OpenAIChatCompletionsModel(model="gpt-test", openai_client=client)
-            agent = Agent(name="refunds", model=model, tools=[lookup, refund])
+            agent = Agent(name="refunds", model=model, tools=tools)
             try:
                 first = await durable_run(agent, TASK, run_id=RUN, store=store, telemetry=telemetry)
                 assert first.awaiting == "m2.t1"

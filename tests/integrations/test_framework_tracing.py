@@ -22,6 +22,8 @@ import pytest
 from asiento import SqliteCheckpointer, approve
 from providers.fake_servers import Answer, FakeProvider
 
+from .refund_tools import counted_tools
+
 RUN = "refund-7"
 TASK = "refund order A1"
 SCRIPT = (
@@ -70,17 +72,9 @@ def _pydantic_agent(provider: FakeProvider, client: Any, how: str, ran: Counter[
     else:
         agent = Agent(InstrumentedModel(model, settings), output_type=output)
 
-    @agent.tool_plain
-    def lookup(order: str) -> str:
-        """Look an order up."""
-        ran["lookup"] += 1
-        return f"{order}: paid 10 EUR"
-
-    @agent.tool_plain(requires_approval=True)
-    def refund(order: str) -> str:
-        """Refund an order."""
-        ran["refund"] += 1
-        return f"refunded {order}"
+    lookup, refund = counted_tools(ran)
+    agent.tool_plain(lookup)
+    agent.tool_plain(requires_approval=True)(refund)
 
     agent.exporter, agent.reader = exporter, reader  # type: ignore[attr-defined]
     return agent
@@ -220,24 +214,15 @@ async def test_openai_agents_spans_a_generation_per_generation_paid(
 
     ran: Counter[str] = Counter()
 
-    @function_tool
-    def lookup(order: str) -> str:
-        """Look an order up."""
-        ran["lookup"] += 1
-        return f"{order}: paid 10 EUR"
-
-    @function_tool(needs_approval=True)
-    def refund(order: str) -> str:
-        """Refund an order."""
-        ran["refund"] += 1
-        return f"refunded {order}"
+    lookup, refund = counted_tools(ran)
+    tools = [function_tool(lookup), function_tool(refund, needs_approval=True)]
 
     store = SqliteCheckpointer(tmp_path / "runs.db")
     async with openai.AsyncOpenAI(
         base_url=sdk_provider.openai_url, api_key="sk-t", max_retries=0
     ) as client:
         model = OpenAIChatCompletionsModel(model="gpt-test", openai_client=client)
-        agent = Agent(name="refunds", model=model, tools=[lookup, refund])
+        agent = Agent(name="refunds", model=model, tools=tools)
         try:
             first = await durable_run(agent, TASK, run_id=RUN, store=store, tracing=True)
             assert first.awaiting == "m1.t1"
