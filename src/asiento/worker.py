@@ -161,6 +161,7 @@ class Worker:
         self.holder = Holder.here()
         self.stats = WorkerStats()
         self._in_flight: set[asyncio.Task[None]] = set()
+        self._freed = asyncio.Event()  # a run in flight ended: a slot may be free
         self._stopped_by_shutdown = False
         tool_threads_at_least(concurrency)
 
@@ -188,6 +189,7 @@ class Worker:
         """
         deadline = None if max_seconds is None else time.monotonic() + max_seconds
         self._stopped_by_shutdown = False
+        self._freed = asyncio.Event()  # this loop's: a worker may be run on several
         metrics.watch_waiting(self.store, asyncio.get_running_loop())
         try:
             await self._claim_and_start(until_idle, deadline)
@@ -225,6 +227,7 @@ class Worker:
             for claim in claims[:free]:
                 self._note(claim)
                 task = asyncio.create_task(self._drive_apart(claim), name=claim.lease.run_id)
+                task.add_done_callback(self._slot_freed)
                 self._in_flight.add(task)
             if len(claims) >= free:
                 continue
@@ -234,25 +237,37 @@ class Worker:
             await self._wait(idle, deadline)
 
     async def _wait(self, idle: Awaitable[None] | None, deadline: float | None) -> None:
-        """Until a slot frees, ``idle`` returns (wake-up or poll), a shutdown or the deadline."""
+        """Until a slot frees, ``idle`` returns (wake-up or poll), a shutdown or the deadline.
+
+        A run's end sets ``_freed`` (its task's done callback): one future to wait on,
+        not a callback on every run in flight at every wait.
+        """
         waiter = None if idle is None else asyncio.ensure_future(idle)
         try:
             while not shutdown.requested():
-                watched: set[asyncio.Future[None]] = set(self._in_flight)
-                if waiter is not None:
-                    watched.add(waiter)
-                if not watched:
+                if self._reap():  # a run ended since the last look
                     return
-                done, _ = await asyncio.wait(
-                    watched, timeout=_SHUTDOWN_POLL, return_when=asyncio.FIRST_COMPLETED
-                )
-                self._reap()
-                if done or (deadline is not None and time.monotonic() > deadline):
+                if waiter is None and not self._in_flight:
+                    return
+                self._freed.clear()  # no run in flight has ended: its callback is to come
+                freed = asyncio.ensure_future(self._freed.wait())
+                watched = {freed} if waiter is None else {freed, waiter}
+                try:
+                    done, _ = await asyncio.wait(
+                        watched, timeout=_SHUTDOWN_POLL, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    freed.cancel()
+                if waiter in done or (deadline is not None and time.monotonic() > deadline):
+                    self._reap()
                     return
         finally:
             if waiter is not None and not waiter.done():
                 waiter.cancel()
                 await asyncio.wait({waiter})
+
+    def _slot_freed(self, task: asyncio.Task[None]) -> None:
+        self._freed.set()
 
     async def _finish_in_flight(self, *, cancel: bool) -> None:
         """Let every run in flight end (or, when the worker itself is cancelled, cancel them).
@@ -292,13 +307,16 @@ class Worker:
         for task in late:
             self._in_flight.discard(task)
 
-    def _reap(self) -> None:
-        for task in [t for t in self._in_flight if t.done()]:
+    def _reap(self) -> int:
+        """Forget the runs in flight that ended; how many."""
+        ended = [t for t in self._in_flight if t.done()]
+        for task in ended:
             self._in_flight.discard(task)
             if task.cancelled():
                 continue
             if isinstance(task.exception(), shutdown.ShutdownRequested):
                 self._stopped_by_shutdown = True
+        return len(ended)
 
     async def _drive_apart(self, claim: Claim) -> None:
         """Drive one run in its own task: what goes wrong there is logged, never spread."""
