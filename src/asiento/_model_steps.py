@@ -10,8 +10,9 @@ they come, and the attempt's marker is written beside the stream, never before a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -63,17 +64,18 @@ class ModelSteps:
         )
         return response
 
-    async def answer(self, step_id: str) -> AsyncIterator[StreamEvent | ModelResponse]:
+    async def answer(self, step_id: str) -> AsyncGenerator[StreamEvent | ModelResponse, None]:
         """The model step's answer, last; streamed, its deltas before it."""
         if self.streaming:
-            async for item in self._streamed_model_step(step_id):
-                yield item
+            async with contextlib.aclosing(self._streamed_model_step(step_id)) as streamed:
+                async for item in streamed:
+                    yield item
         else:
             yield await self._model_step(step_id)
 
     async def _streamed_model_step(
         self, step_id: str
-    ) -> AsyncIterator[StreamEvent | ModelResponse]:
+    ) -> AsyncGenerator[StreamEvent | ModelResponse, None]:
         """``_model_step`` showing the answer as it comes; the response last.
 
         A recorded answer is shown whole, marked replayed. Nothing is written before
@@ -103,8 +105,9 @@ class ModelSteps:
                 if isinstance(gateway, StreamingGateway):
                     answer: object = None
                     marking = _Marker(self.pass_, step_id, attempt)
+                    stream = gateway.stream(request, idempotency_key=key)
                     try:
-                        async for item in gateway.stream(request, idempotency_key=key):
+                        async for item in stream:
                             if isinstance(item, TextPart | ToolCallPart):
                                 yield Delta(
                                     run_id=self.pass_.run_id,
@@ -116,6 +119,7 @@ class ModelSteps:
                             else:
                                 answer = item
                     finally:
+                        await _closed(stream)  # a cut read closes the provider's stream now
                         await marking.done()
                     response = self._took(step_id, fp, key, answer, budget)
                 else:  # a gateway that cannot stream: its whole answer is one delta per part
@@ -268,3 +272,10 @@ def _with_call_ids(response: ModelResponse, step_id: str) -> ModelResponse:
         for i, c in enumerate(response.tool_calls, 1)
     ]
     return replace(response, tool_calls=calls)
+
+
+async def _closed(stream: AsyncIterator[object]) -> None:
+    """Close a gateway's stream (an async generator, or any iterator with ``aclose``)."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()

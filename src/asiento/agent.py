@@ -7,8 +7,9 @@ tool runs, and the tool result before the next model call depends on it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Literal, cast, overload
 
 from . import budget as budgets
@@ -168,7 +169,7 @@ class _Pass:
         self.tools = ToolSteps(self)
         self.models = ModelSteps(self, streaming=streaming)
 
-    async def steps(self) -> AsyncIterator[Step | StreamEvent]:
+    async def steps(self) -> AsyncGenerator[Step | StreamEvent, None]:
         # A claimed run was running when claimed; its walk's first read sees a final
         # recorded since (an abandon) and closes it: no read of its own for that here.
         final = None if self.session.claimed else await self.store.final(self.run_id)
@@ -184,9 +185,12 @@ class _Pass:
                 )
                 status, error = "stopped", None
                 try:
-                    async for step in self._walks():
-                        status = _status_after(step, status)
-                        yield step
+                    # aclosing: a caller that stops reading closes every generator below at
+                    # once, in order (spans ended, markers written) before the lease goes.
+                    async with contextlib.aclosing(self._walks()) as walks:
+                        async for step in walks:
+                            status = _status_after(step, status)
+                            yield step
                 except BaseException as exc:
                     status, error = tracing.status_of(exc), exc
                     raise
@@ -199,7 +203,7 @@ class _Pass:
                 raise
             raise abandoned from exc
 
-    async def _walks(self) -> AsyncIterator[Step | StreamEvent]:
+    async def _walks(self) -> AsyncGenerator[Step | StreamEvent, None]:
         """Walk the run; walk it again from the journal when a person decided meanwhile.
 
         Each new walk follows a decision recorded for the step the previous one was
@@ -208,8 +212,9 @@ class _Pass:
         """
         while True:
             try:
-                async for step in self._walk():
-                    yield step
+                async with contextlib.aclosing(self._walk()) as walk:
+                    async for step in walk:
+                        yield step
                 return
             except _OverBudget:
                 for step in self._drain():
@@ -250,7 +255,7 @@ class _Pass:
             abandoned=closed.abandoned,
         )
 
-    async def _walk(self) -> AsyncIterator[Step | StreamEvent]:
+    async def _walk(self) -> AsyncGenerator[Step | StreamEvent, None]:
         """Replay what the journal holds, then do what is missing, step by step."""
         events = await self.store.load(self.run_id)
         self.journal = index(events)
@@ -267,11 +272,12 @@ class _Pass:
         for turn in range(1, self.agent.max_turns + 1):
             step_id = step_ids.model(turn)
             await self._boundary()
-            async for item in self.models.answer(step_id):
-                if isinstance(item, ModelResponse):
-                    response = item
-                else:
-                    yield item
+            async with contextlib.aclosing(self.models.answer(step_id)) as answer:
+                async for item in answer:
+                    if isinstance(item, ModelResponse):
+                        response = item
+                    else:
+                        yield item
             if not response.tool_calls:
                 await self._close(step_id, response)
                 for step in self._drain():

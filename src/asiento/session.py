@@ -113,7 +113,7 @@ class Session:
         if lease is not None and lease.run_id != self.run_id:
             raise UsageError(f"Session(lease=...) holds run {lease.run_id!r}, not {self.run_id!r}")
         self._claimed = lease
-        self._driven: tuple[Savings, asyncio.Task[None]] | None = None  # savings before, keeper
+        self._driven: tuple[Savings, _Keeper] | None = None  # savings before, the renewals
         self.found_closed = False  # noting a failure found the run closed (abandoned meanwhile)
 
     def __repr__(self) -> str:
@@ -129,7 +129,7 @@ class Session:
         """Hold the run's lease for the body: acquire, keep alive, release."""
         lease = await self._acquire()
         before = self.stats.savings()
-        keeper = asyncio.create_task(self._keep_alive(lease))
+        keeper = _Keeper(self, lease)
         self._driven = (before, keeper)
         clean = False
         try:
@@ -145,9 +145,7 @@ class Session:
                 await self._note_failure(lease, exc)
             raise
         finally:
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
+            await keeper.stopped()
             lease_state.ended(lease.owner)
             if self._driven is not None:  # else the closing append gave the lease up
                 self._driven = None
@@ -160,7 +158,7 @@ class Session:
         if self._driven is None:
             return None
         before, keeper = self._driven
-        keeper.cancel()
+        keeper.stop()
         return self.stats.savings() - before
 
     def closed(self) -> None:
@@ -207,26 +205,6 @@ class Session:
                 if left <= 0:
                     raise
                 await asyncio.sleep(min(0.2, left))
-
-    async def _keep_alive(self, lease: Lease) -> None:
-        """Renew the lease while the body runs (long tools, slow consumers).
-
-        A renewal is due a third of the lease after the last one began; how late it
-        committed past that moment is its lag (``asiento.lease.renewal_lag``).
-        """
-        while True:
-            due = time.monotonic() + self.lease_ttl / 3
-            await asyncio.sleep(self.lease_ttl / 3)
-            try:
-                await self.store.renew(lease, ttl=self.lease_ttl)
-                metrics.renewed(time.monotonic() - due)
-            except LeaseLost:
-                log.warning(
-                    "run %r: lease lost; the session's next write will be refused", self.run_id
-                )
-                return
-            except AsientoError as exc:
-                log.warning("run %r: could not renew the lease: %s", self.run_id, exc)
 
     async def _release(self, lease: Lease, before: Savings, *, clean: bool) -> None:
         try:
@@ -281,3 +259,57 @@ async def abandonment(
     lost = {e.step_id for e in unrecorded if e.phase is Phase.RESULT}
     text = closed.text or "abandoned"
     return RunAbandoned(run_id, text, tuple(sorted(lost - {step_ids.FINAL})))
+
+
+class _Keeper:
+    """Renews a session's lease while its body runs (long tools, slow consumers).
+
+    A renewal is due a third of the lease after the last one began; how late it
+    committed past that moment is its lag (``asiento.lease.renewal_lag``). Until one
+    is due there is only a timer: most passes end before their first renewal, and a
+    task kept asleep for each would cost every pass its start and its cancellation.
+    """
+
+    def __init__(self, session: Session, lease: Lease) -> None:
+        self.session, self.lease = session, lease
+        self.loop = asyncio.get_running_loop()
+        self.renewing: asyncio.Task[None] | None = None
+        self._schedule()
+
+    def _schedule(self) -> None:
+        every = self.session.lease_ttl / 3
+        self.due = time.monotonic() + every
+        self.timer: asyncio.TimerHandle | None = self.loop.call_later(every, self._start)
+
+    def _start(self) -> None:
+        self.timer = None
+        self.renewing = self.loop.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        session = self.session
+        try:
+            await session.store.renew(self.lease, ttl=session.lease_ttl)
+            metrics.renewed(time.monotonic() - self.due)
+        except LeaseLost:
+            log.warning(
+                "run %r: lease lost; the session's next write will be refused", session.run_id
+            )
+            return
+        except AsientoError as exc:
+            log.warning("run %r: could not renew the lease: %s", session.run_id, exc)
+        self._schedule()
+
+    def stop(self) -> None:
+        """No renewal from now on (one under way is cut)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.renewing is not None:
+            self.renewing.cancel()
+
+    async def stopped(self) -> None:
+        """``stop``, and wait for a renewal under way to unwind."""
+        self.stop()
+        if self.renewing is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.renewing

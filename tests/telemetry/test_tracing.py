@@ -3,7 +3,7 @@ one trace per run, a span per generation paid and per tool run, none for what wa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,12 @@ from asiento import (
     Decision,
     Delta,
     JournalFull,
+    ModelRequest,
     ModelResponse,
     RunStatus,
     Session,
     SqliteCheckpointer,
+    StreamPart,
     Telemetry,
     ToolCall,
     Usage,
@@ -342,6 +344,21 @@ async def test_a_run_submitted_under_a_span_is_traced_in_that_trace(
     assert by_run["r2"] != by_run["r1"]
 
 
+class _ClosesCounted(StreamingScriptedGateway):
+    """Counts the streams that ended, read to their end or closed by the pass."""
+
+    closed = 0
+
+    async def stream(
+        self, request: ModelRequest, *, idempotency_key: str
+    ) -> AsyncIterator[StreamPart | ModelResponse]:
+        try:
+            async for item in super().stream(request, idempotency_key=idempotency_key):
+                yield item
+        finally:
+            self.closed += 1
+
+
 async def test_a_stream_asked_again_after_a_cut_is_a_new_span_marked_reask(
     tmp_path: Path, spans: tuple[TracerProvider, InMemorySpanExporter]
 ) -> None:
@@ -349,7 +366,7 @@ async def test_a_stream_asked_again_after_a_cut_is_a_new_span_marked_reask(
     pass 2 asks again: a second chat span, marked a re-ask, with what was re-paid."""
     provider, exporter = spans
     agent = Agent(telemetry=Telemetry(tracer_provider=provider))
-    gateway = StreamingScriptedGateway([ModelResponse(text="a long answer " * 8)], chunk=4)
+    gateway = _ClosesCounted([ModelResponse(text="a long answer " * 8)], chunk=4)
     store = SqliteCheckpointer(tmp_path / "j.db")
     stream = agent.run("talk", session=Session("r1", gateway, store), stream=True)
     shown = 0
@@ -358,8 +375,13 @@ async def test_a_stream_asked_again_after_a_cut_is_a_new_span_marked_reask(
         if shown == 3:
             break
     await stream.aclose()  # type: ignore[attr-defined]
-    [cut] = _named(exporter.get_finished_spans(), "chat")
+    ended = exporter.get_finished_spans()
+    [cut] = _named(ended, "chat")
     assert "asiento.reask" not in _attrs(cut)
+    # closed at once, in order: the step's span before its pass's, the stream before both
+    [first_pass] = [s for s in ended if "asiento.pass.fence" in _attrs(s)]
+    assert ended.index(cut) < ended.index(first_pass)
+    assert gateway.closed == 1
     exporter.clear()
     async for _ in agent.run("talk", session=Session("r1", gateway, store), stream=True):
         pass
