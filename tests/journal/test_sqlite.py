@@ -7,6 +7,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
@@ -25,6 +26,7 @@ from asiento import (
     StepEvent,
     UsageError,
 )
+from asiento.journal._sqlite_open import identity
 from asiento.journal._sqlite_schema import APPLICATION_ID, SCHEMA_VERSION
 from journal.mounts import read_only_view
 
@@ -430,3 +432,60 @@ async def test_a_read_only_store_does_not_migrate_nor_make_a_journal(tmp_path: P
     with pytest.raises(NotAJournal, match="empty"):
         SqliteCheckpointer(empty, read_only=True)
     assert empty.read_bytes() == b""
+
+
+def test_a_journal_another_opener_creates_meanwhile_is_read_as_one(tmp_path: Path) -> None:
+    """Two processes open a new file at once: the other one creates the journal (its
+    schema and its application id, one transaction) while this one reads what the file
+    is. This one sees the file as it was or as it became, never half of each (an empty
+    file's id beside the new tables was NotAJournal)."""
+    path = tmp_path / "new.db"
+    other: list[SqliteCheckpointer] = []
+
+    def meanwhile(statement: str) -> None:
+        # the other opener commits once this one has begun to read (its second statement,
+        # when it read the file in several)
+        seen.append(statement)
+        if len(seen) == 2 and not other:
+            other.append(SqliteCheckpointer(path))
+
+    seen: list[str] = []
+
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.set_trace_callback(meanwhile)
+        version = identity(db, path, read_only=False)
+    finally:
+        db.close()
+        for store in other:
+            store._db.close()
+    assert version in (0, SCHEMA_VERSION)  # before the other's commit, or after it
+
+
+OPENER = """
+import sys, time
+from asiento import SqliteCheckpointer
+go = float(sys.argv[2])
+while time.time() < go:
+    time.sleep(0.0005)
+SqliteCheckpointer(sys.argv[1])._db.close()
+"""
+
+
+def test_workers_started_together_on_a_new_file_all_open_it(tmp_path: Path) -> None:
+    """Six processes open a journal file none of them has created yet, released at the
+    same instant, a few times over: each opens it (no NotAJournal, no JournalBusy)."""
+    for round_ in range(4):
+        path = tmp_path / f"new-{round_}.db"
+        go = time.time() + 1.5
+        openers = [
+            subprocess.Popen(
+                [sys.executable, "-c", OPENER, str(path), str(go)],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(6)
+        ]
+        for opener in openers:
+            _, err = opener.communicate(timeout=60)
+            assert opener.returncode == 0, err

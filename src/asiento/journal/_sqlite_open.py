@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,14 +101,22 @@ def _sqlite_connect(target: str, timeout: float, *, uri: bool) -> sqlite3.Connec
         raise JournalError(f"cannot open journal {target}: {exc}") from exc
 
 
-def identity(db: sqlite3.Connection, path: Path, *, read_only: bool) -> int:
+_IDENTITY = (
+    "SELECT (SELECT application_id FROM pragma_application_id),"
+    " (SELECT user_version FROM pragma_user_version), (SELECT count(*) FROM sqlite_master)"
+)
+
+
+def identity(db: sqlite3.Connection, path: Path, *, read_only: bool, timeout: float = 5.0) -> int:
     """Refuse a file that is not an asiento journal before touching it; its schema version.
 
     SQLite's own errors (a damaged or locked file) pass, for the store to translate.
     """
-    app_id = db.execute("PRAGMA application_id").fetchone()[0]
-    version = int(db.execute("PRAGMA user_version").fetchone()[0])
-    tables = db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+    # One statement, one snapshot: another process may create the journal meanwhile
+    # (workers started together on a new file), and reads of before and after mixed
+    # would be an empty file's id beside the new tables.
+    app_id, version, tables = db.execute(_IDENTITY).fetchone()
+    version = int(version)
     if app_id != APPLICATION_ID and (app_id != 0 or tables):
         raise NotAJournal(f"{path} is an SQLite database but not an asiento journal")
     if version > SCHEMA_VERSION:
@@ -118,8 +127,28 @@ def identity(db: sqlite3.Connection, path: Path, *, read_only: bool) -> int:
     if read_only:
         _check_readable_as_is(path, version, tables)
     else:
-        db.execute("PRAGMA journal_mode=WAL")
+        _to_wal(db, timeout)
     return version
+
+
+def _to_wal(db: sqlite3.Connection, timeout: float) -> None:
+    """A new file's one switch to WAL (a journal's is WAL already: nothing to do).
+
+    Several processes opening a new file at once all want the switch; SQLite refuses
+    at once, without waiting, the one whose lock could deadlock with another's, so it
+    is asked again (and the mode read again: another may have switched it) for up to
+    ``timeout`` seconds, as any other lock is waited for.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005)
 
 
 def _check_readable_as_is(path: Path, version: int, tables: int) -> None:

@@ -302,7 +302,7 @@ class SqliteCheckpointer:
     def _open(self) -> None:
         """Check that the file is a journal this asiento reads, and bring its schema up to date."""
         try:
-            version = identity(self._db, self.path, read_only=self.read_only)
+            version = identity(self._db, self.path, read_only=self.read_only, timeout=self._timeout)
             self._db.execute(f"PRAGMA synchronous={_SYNCHRONOUS[self.durability]}")
         except sqlite3.Error as exc:
             raise self._translated(exc) from exc
