@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -127,3 +128,20 @@ def test_langgraph_kills_bench_prints_both_tables(tmp_path: Path) -> None:
     overhead = done.stdout.split("ms/step over", 1)[1].splitlines()
     row = next(line.split() for line in overhead if line.startswith("asiento "))
     assert float(row[3]) > 0, done.stdout  # ms/step
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_worker_instructions_bench_counts_a_run() -> None:
+    """`bench/worker_instructions.py` counts a run's instructions under callgrind."""
+    bench = BENCH.parent / "worker_instructions.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--runs", "2,4", "--concurrency", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    row = done.stdout.strip().splitlines()[-1].split()
+    assert row[:2] == ["this", "checkout"], done.stdout
+    assert float(row[2]) > 0.1, done.stdout  # millions of instructions a run
