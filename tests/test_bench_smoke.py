@@ -130,6 +130,7 @@ def test_langgraph_kills_bench_prints_both_tables(tmp_path: Path) -> None:
     assert float(row[3]) > 0, done.stdout  # ms/step
 
 
+@pytest.mark.full  # 40 s under valgrind; the fleet bench's worker is smoke-tested above
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
 def test_worker_instructions_bench_counts_a_run() -> None:
     """`bench/worker_instructions.py` counts a run's instructions under callgrind."""
